@@ -1,0 +1,17 @@
+"""Errors the engine raises to its callers (CLI, workers). Pure Python."""
+
+from engine.sampling_params import InvalidRequest
+
+
+class UserError(Exception):
+    """Bad user input outside a request (unknown model, unreadable path, unsupported architecture).
+
+    The CLI prints the message on one line and exits with status 2.
+    """
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped; every pending request fails with this."""
+
+
+__all__ = ["InvalidRequest", "UserError", "EngineDeadError"]
