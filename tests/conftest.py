@@ -1,0 +1,30 @@
+"""Shared test fixtures: the shared data folder beside the repo, the ShareGPT prompts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+
+def sharegpt_prompts(n: int | None = None) -> list[str]:
+    """The first n prompts of ../shared/data/sharegpt_prompts.jsonl (fails loudly if absent)."""
+    path = SHARED_DATA / "sharegpt_prompts.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: tests read the shared data beside the repository")
+    prompts = []
+    with path.open() as f:
+        for line in f:
+            prompts.append(json.loads(line)["prompt"])
+            if n is not None and len(prompts) == n:
+                break
+    return prompts
+
+
+@pytest.fixture(scope="session")
+def shared_data_dir() -> Path:
+    return SHARED_DATA
