@@ -1,0 +1,73 @@
+"""Regenerate the committed protobuf/gRPC Python code from proto/pdserve/v1/*.proto.
+
+    python -m proto.regen            # rewrite the generated files in place
+    python -m proto.regen --check    # exit 1 if regenerating would change anything
+
+Files are compiled from the repository root (``-I .``) so the generated imports read
+``from proto.pdserve.v1 import api_pb2``, which works wherever the repository is importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import sys
+import tempfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PROTO_DIR = Path("proto") / "pdserve" / "v1"
+GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+
+
+def proto_files() -> list[Path]:
+    return sorted((REPO_ROOT / PROTO_DIR).glob("*.proto"))
+
+
+def generate(out_root: Path) -> list[Path]:
+    """Compile every .proto into out_root (mirroring proto/pdserve/v1); return the files written."""
+    from grpc_tools import protoc  # build-time dependency only
+    import grpc_tools
+
+    include = str(Path(grpc_tools.__file__).parent / "_proto")
+    args = ["protoc", "-I.", f"-I{include}", f"--python_out={out_root}", f"--pyi_out={out_root}",
+            f"--grpc_python_out={out_root}"] + [str(p.relative_to(REPO_ROOT)) for p in proto_files()]
+    cwd = Path.cwd()
+    try:
+        import os
+
+        os.chdir(REPO_ROOT)
+        if protoc.main(args) != 0:
+            raise RuntimeError(f"protoc failed: {' '.join(args)}")
+    finally:
+        os.chdir(cwd)
+    return sorted(p for p in (out_root / PROTO_DIR).iterdir() if p.name.endswith(GENERATED_SUFFIXES))
+
+
+def differences() -> list[str]:
+    """Generated files that differ from (or are missing in) the committed tree."""
+    with tempfile.TemporaryDirectory() as tmp:
+        fresh = generate(Path(tmp))
+        diffs = []
+        for f in fresh:
+            committed = REPO_ROOT / PROTO_DIR / f.name
+            if not committed.exists() or not filecmp.cmp(f, committed, shallow=False):
+                diffs.append(f.name)
+        return diffs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="only check, exit 1 on a difference")
+    args = ap.parse_args()
+    if args.check:
+        diffs = differences()
+        for d in diffs:
+            print(f"stale generated file: {PROTO_DIR / d}", file=sys.stderr)
+        return 1 if diffs else 0
+    generate(REPO_ROOT)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
