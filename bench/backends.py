@@ -1,0 +1,181 @@
+"""Benchmark targets: send one request, stream its reply, time every chunk -> RequestRecord.
+
+- ``openai``: ``POST {url}/v1/completions`` with ``stream: true`` and
+  ``stream_options.include_usage`` (vLLM, SGLang, llama.cpp's server, pdserve's HTTP port), via httpx.
+- ``pdserve-grpc``: pdserve's own streaming gRPC API (``bench/grpc_backend.py``), via grpc.aio.
+
+Timing: ``time.perf_counter`` taken when the request is handed to the transport (after any
+``--max-concurrency`` wait) and when each chunk carrying text is parsed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from bench.datasets import SampleRequest
+from bench.metrics import RequestRecord
+from engine.errors import UserError
+
+BACKENDS = ("openai", "pdserve-grpc")
+
+
+class Backend(Protocol):
+    """A target under test. ``send`` never raises for a failed request: it returns a record with
+    ``success=False`` and the error; it raises only on cancellation."""
+
+    model: str
+
+    async def send(self, index: int, req: SampleRequest, t0: float) -> RequestRecord: ...
+    async def close(self) -> None: ...
+
+
+class OutputCounter:
+    """Counts output tokens when the target reports no usage: re-tokenizes the text with the
+    target model's tokenizer (loaded on first need), else one token per streamed chunk."""
+
+    def __init__(self, load_tokenizer: Callable[[], Any]) -> None:
+        self._load = load_tokenizer
+
+    def count(self, text: str, num_chunks: int) -> tuple[int, str]:
+        """(output tokens, source) with source "tokenizer" or "chunks"."""
+        tok = self._load()
+        if tok is None:
+            return num_chunks, "chunks"
+        return len(tok.encode(text, add_special_tokens=False)), "tokenizer"
+
+
+@dataclass
+class _Stream:
+    """Accumulates one streamed reply."""
+
+    st: float
+    last: float = 0.0
+    ttft_s: float | None = None
+    chunks: int = 0
+    usage: dict[str, Any] | None = None
+    itl_s: list[float] = field(default_factory=list)
+    parts: list[str] = field(default_factory=list)
+
+    def on_text(self, text: str) -> None:
+        now = time.perf_counter()
+        if self.ttft_s is None:
+            self.ttft_s = now - self.st
+        else:
+            self.itl_s.append(now - self.last)
+        self.last = now
+        self.chunks += 1
+        self.parts.append(text)
+
+
+def finish_record(rec: RequestRecord, s: _Stream, counter: OutputCounter) -> RequestRecord:
+    """Fill a successful record from a completed stream (usage preferred for token counts)."""
+    rec.e2el_s = time.perf_counter() - s.st
+    if s.ttft_s is None:
+        rec.error = "the stream ended without any output text"
+        return rec
+    rec.success, rec.ttft_s, rec.itl_s = True, s.ttft_s, s.itl_s
+    rec.generated_text = "".join(s.parts)
+    if s.usage and s.usage.get("completion_tokens") is not None:
+        rec.output_tokens, rec.output_tokens_source = int(s.usage["completion_tokens"]), "usage"
+    else:
+        rec.output_tokens, rec.output_tokens_source = counter.count(rec.generated_text, s.chunks)
+    if rec.prompt_len is None and s.usage and s.usage.get("prompt_tokens") is not None:
+        rec.prompt_len = int(s.usage["prompt_tokens"])
+    return rec
+
+
+class OpenAICompletionsBackend:
+    """Streaming ``/v1/completions`` client (one shared httpx.AsyncClient, no connection cap,
+    so that only ``--max-concurrency`` limits concurrency)."""
+
+    def __init__(self, base_url: str, model: str, counter: OutputCounter, *, endpoint: str = "/v1/completions",
+                 ignore_eos: bool = False, include_usage: bool = True, temperature: float = 0.0,
+                 timeout_s: float = 600.0) -> None:
+        import httpx
+
+        self.model, self._counter = model, counter
+        self._url = base_url.rstrip("/") + endpoint
+        self._extra: dict[str, Any] = {"temperature": temperature}
+        if include_usage:
+            self._extra["stream_options"] = {"include_usage": True}
+        if ignore_eos:
+            self._extra["ignore_eos"] = True
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s),
+                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+
+    async def send(self, index: int, req: SampleRequest, t0: float) -> RequestRecord:
+        payload = {"model": self.model, "prompt": req.prompt, "max_tokens": req.expected_output_len,
+                   "stream": True, **self._extra}
+        rec = RequestRecord(index=index, success=False, prompt_len=req.prompt_len)
+        s = _Stream(st=time.perf_counter())
+        rec.start_s = s.st - t0
+        try:
+            async with self._client.stream("POST", self._url, json=payload) as resp:
+                if resp.status_code != 200:
+                    body = (await resp.aread()).decode("utf-8", "replace")
+                    rec.error = f"HTTP {resp.status_code}: {body[:300]}"
+                    return rec
+                async for line in resp.aiter_lines():
+                    if not self._on_line(line, s, rec):
+                        break
+        except Exception as e:  # transport errors, timeouts, bad JSON: the request failed, the run goes on
+            rec.error = f"{type(e).__name__}: {e}"
+            return rec
+        if rec.error:
+            return rec
+        return finish_record(rec, s, self._counter)
+
+    @staticmethod
+    def _on_line(line: str, s: _Stream, rec: RequestRecord) -> bool:
+        """Handle one SSE line; False ends the stream ([DONE] or an error event)."""
+        if not line.startswith("data:"):
+            return True
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return False
+        event = json.loads(data)
+        if "error" in event:
+            rec.error = f"stream error: {json.dumps(event['error'])[:300]}"
+            return False
+        if choices := event.get("choices"):
+            if text := choices[0].get("text"):
+                s.on_text(text)
+        if event.get("usage"):
+            s.usage = event["usage"]
+        return True
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+async def discover_openai_model(base_url: str, timeout_s: float = 10.0) -> str:
+    """The first model id the server lists at ``GET /v1/models``; UserError if it cannot be read."""
+    import httpx
+
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s) as c:
+            resp = await c.get(url)
+            resp.raise_for_status()
+            return str(resp.json()["data"][0]["id"])
+    except Exception as e:
+        raise UserError(f"could not list models at {url} ({type(e).__name__}: {e}); pass --model NAME") from None
+
+
+async def create_backend(name: str, url: str, model: str | None, counter: OutputCounter, *,
+                         ignore_eos: bool, include_usage: bool, timeout_s: float) -> Backend:
+    """The target ``name`` ("openai" or "pdserve-grpc") at ``url``; raises UserError for a bad name/url."""
+    if name == "openai":
+        if not url.startswith(("http://", "https://")):
+            raise UserError(f"--url {url!r}: the openai backend needs http://HOST:PORT")
+        model = model or await discover_openai_model(url)
+        return OpenAICompletionsBackend(url, model, counter, ignore_eos=ignore_eos,
+                                        include_usage=include_usage, timeout_s=timeout_s)
+    if name == "pdserve-grpc":
+        from bench.grpc_backend import PdserveGrpcBackend
+
+        return await PdserveGrpcBackend.connect(url, model, counter, ignore_eos=ignore_eos, timeout_s=timeout_s)
+    raise UserError(f"unknown --backend {name!r}; choose one of {', '.join(BACKENDS)}")
