@@ -1,0 +1,123 @@
+"""The router process: worker pool, orchestrator, gRPC and HTTP front ends, metrics, health.
+
+    router = Router(registry, RouterConfig(...)); await router.start(); ...; await router.stop()
+
+`stop` drains: health goes NOT_SERVING, new requests are refused, in-flight ones finish (up to the
+grace period), then the servers close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import uvicorn
+
+from proto.pdserve.v1 import api_pb2
+from router.grpc_server import NOT_SERVING, SERVICE_NAME, SERVING, build_server
+from router.http_server import build_app
+from router.metrics import RouterMetrics, serve_metrics
+from router.orchestrator import FlowConfig, Orchestrator
+from router.pool import WorkerPool
+from router.registry import Registry
+from router.service import RouterService
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051              # gRPC; 0 = any free port
+    http_port: int | None = 8000   # None = no HTTP server; 0 = any free port
+    metrics_port: int | None = None
+    mode: str = "disagg"
+    local_prefill_threshold: int = 0
+    max_waiting: int = 256
+    drain_grace_s: float = 30.0
+
+
+@dataclass
+class Endpoints:
+    grpc: str
+    http: str | None
+    metrics: str | None
+
+
+class Router:
+    def __init__(self, registry: Registry, config: RouterConfig) -> None:
+        self.config = config
+        self.pool = WorkerPool(registry)
+        self.orchestrator = Orchestrator(self.pool, FlowConfig(config.mode, config.local_prefill_threshold))
+        self.metrics = RouterMetrics()
+        self.service = RouterService(self.pool, self.orchestrator, self.metrics, config.max_waiting)
+        self._grpc = None
+        self._health = None
+        self._uvicorn: uvicorn.Server | None = None
+        self._http_task: asyncio.Task | None = None
+        self._health_task: asyncio.Task | None = None
+        self.endpoints: Endpoints | None = None
+
+    async def start(self) -> Endpoints:
+        c = self.config
+        await self.pool.start()
+        self._grpc, self._health, grpc_port = build_server(self.service, self.cluster_status, c.host, c.port)
+        await self._grpc.start()
+        http = await self._start_http() if c.http_port is not None else None
+        metrics = f"{c.host}:{serve_metrics(self.metrics.registry, c.metrics_port, c.host)}" \
+            if c.metrics_port is not None else None
+        self._health_task = asyncio.create_task(self._health_loop())
+        self.endpoints = Endpoints(f"{c.host}:{grpc_port}", http, metrics)
+        return self.endpoints
+
+    async def _start_http(self) -> str:
+        config = uvicorn.Config(build_app(self.service), host=self.config.host, port=self.config.http_port,
+                                log_level="warning", lifespan="off")
+        self._uvicorn = uvicorn.Server(config)
+        self._http_task = asyncio.create_task(self._uvicorn.serve())
+        while not self._uvicorn.started:
+            if self._http_task.done():
+                self._http_task.result()  # raises the bind error
+                raise OSError("HTTP server stopped at start")
+            await asyncio.sleep(0.02)
+        port = self._uvicorn.servers[0].sockets[0].getsockname()[1]
+        return f"{self.config.host}:{port}"
+
+    def ready(self) -> bool:
+        """Serving needs a live decode (or agg) worker, and a prefill worker in disagg mode."""
+        roles = {w.endpoint.role for w in self.pool.workers() if w.alive}
+        if self.config.mode == "agg":
+            return "agg" in roles
+        return {"prefill", "decode"} <= roles
+
+    async def _health_loop(self) -> None:
+        while True:
+            status = SERVING if self.ready() else NOT_SERVING
+            await self._health.set("", status)
+            await self._health.set(SERVICE_NAME, status)
+            await asyncio.sleep(0.2)
+
+    def cluster_status(self) -> api_pb2.ClusterStatusResponse:
+        out = api_pb2.ClusterStatusResponse()
+        for w in sorted(self.pool.workers(), key=lambda w: w.id):
+            s = w.stats
+            out.workers.add(id=w.id, role=w.endpoint.role, address=w.endpoint.address, alive=w.alive,
+                            kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
+                            kv_blocks_held=s.kv_blocks_held, running=s.running, waiting=s.waiting)
+        return out
+
+    async def stop(self) -> None:
+        """Drain in-flight requests (up to drain_grace_s), then close everything."""
+        if self._health_task:
+            self._health_task.cancel()
+        if self._health:
+            await self._health.enter_graceful_shutdown()
+        if self._uvicorn:
+            self._uvicorn.should_exit = True
+        if self._grpc:
+            await self._grpc.stop(self.config.drain_grace_s)
+        if self._http_task:
+            await asyncio.gather(self._http_task, return_exceptions=True)
+        await self.orchestrator.drain()
+        await self.pool.close()

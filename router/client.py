@@ -1,0 +1,70 @@
+"""A small streaming client of the public gRPC API (used by `pdserve generate --url` and
+`pdserve status`). No torch.
+
+    with RouterClient("127.0.0.1:50051") as c:
+        for msg in c.generate(prompt="Hi", chat=True, max_tokens=32, temperature=0.0):
+            print(msg.text, end="")
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import grpc
+
+from proto.pdserve.v1 import api_pb2, api_pb2_grpc
+
+
+class RouterClient:
+    def __init__(self, url: str, timeout_s: float | None = None) -> None:
+        self._channel = grpc.insecure_channel(url.removeprefix("grpc://").removeprefix("http://"))
+        self._stub = api_pb2_grpc.GenerationStub(self._channel)
+        self.timeout_s = timeout_s
+
+    def __enter__(self) -> "RouterClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def generate(self, prompt: str, *, chat: bool = False, model: str = "", system: str | None = None,
+                 **sampling) -> Iterator[api_pb2.GenerateResponse]:
+        """Stream responses; sampling: temperature, top_p, top_k, seed, max_tokens, stop, ignore_eos.
+
+        Raises grpc.RpcError with the server's status (INVALID_ARGUMENT names the bad field).
+        """
+        req = api_pb2.GenerateRequest(model=model, sampling=api_pb2.SamplingOptions(
+            **{k: v for k, v in sampling.items() if v is not None}))
+        if chat:
+            if system is not None:
+                req.chat.messages.add(role="system", content=system)
+            req.chat.messages.add(role="user", content=prompt)
+        else:
+            req.prompt = prompt
+        yield from self._stub.Generate(req, timeout=self.timeout_s)
+
+    def list_models(self) -> list[api_pb2.Model]:
+        return list(self._stub.ListModels(api_pb2.ListModelsRequest(), timeout=self.timeout_s).models)
+
+    def cluster_status(self) -> api_pb2.ClusterStatusResponse:
+        return self._stub.ClusterStatus(api_pb2.ClusterStatusRequest(), timeout=self.timeout_s)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until the health service says SERVING; raises TimeoutError."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        import time
+
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"router not serving after {timeout_s:.0f} s")

@@ -1,0 +1,94 @@
+"""The public gRPC API (pdserve.v1.Generation) on grpc.aio, with health and reflection.
+
+Errors are gRPC statuses from ServiceError. A client cancel or disconnect cancels the handler
+task; the orchestrator's cleanup then aborts every open leg on the workers.
+"""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from proto.pdserve.v1 import api_pb2, api_pb2_grpc
+from router.errors import ServiceError
+from router.service import RouterService, from_wire
+from router.tokenizer import ChatMessage
+
+SERVICE_NAME = api_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+class GenerationServicer(api_pb2_grpc.GenerationServicer):
+    def __init__(self, service: RouterService, status_fn) -> None:
+        self._svc = service
+        self._status = status_fn
+
+    async def Generate(self, request: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            prepared = self._svc.prepare(request.model, from_wire(request.sampling), request_id=request.request_id,
+                                         **_input(request))
+            async for d in self._svc.stream(prepared, context.time_remaining()):
+                msg = api_pb2.GenerateResponse(request_id=prepared.request_id, token_ids=d.token_ids, text=d.text,
+                                               finish_reason=d.finish_reason or "")
+                if d.ttft_s is not None:
+                    msg.ttft_seconds = d.ttft_s
+                if d.usage is not None:
+                    msg.usage.CopyFrom(d.usage)
+                yield msg
+        except ServiceError as e:
+            await context.abort(e.code, e.message)
+
+    async def Tokenize(self, request: api_pb2.TokenizeRequest, context):
+        try:
+            which = request.WhichOneof("input")
+            chat = _chat(request.chat) if which == "chat" else None
+            text, ids = self._svc.tokenize(request.model, request.prompt if which == "prompt" else None, chat,
+                                           _add_generation_prompt(request.chat) if chat else True)
+            return api_pb2.TokenizeResponse(token_ids=ids, rendered=text)
+        except ServiceError as e:
+            await context.abort(e.code, e.message)
+
+    async def ListModels(self, request, context):
+        try:
+            return api_pb2.ListModelsResponse(models=[api_pb2.Model(id=self._svc.model_id,
+                                                                    max_model_len=self._svc.max_model_len)])
+        except ServiceError as e:
+            await context.abort(e.code, e.message)
+
+    async def ClusterStatus(self, request, context):
+        return self._status()
+
+
+def _input(request: api_pb2.GenerateRequest) -> dict:
+    which = request.WhichOneof("input")
+    if which == "chat":
+        return {"chat": _chat(request.chat)}
+    if which == "token_ids":
+        return {"token_ids": list(request.token_ids.ids)}
+    return {"prompt": request.prompt}
+
+
+def _chat(chat: api_pb2.ChatMessages) -> list[ChatMessage]:
+    return [ChatMessage(m.role, m.content) for m in chat.messages]
+
+
+def _add_generation_prompt(chat: api_pb2.ChatMessages) -> bool:
+    return True if not chat.HasField("add_generation_prompt") else chat.add_generation_prompt
+
+
+def build_server(service: RouterService, status_fn, host: str, port: int
+                 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+    """The aio server with Generation, health and reflection; returns (server, health servicer, bound port)."""
+    server = grpc.aio.server()
+    api_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service, status_fn), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC on {host}:{port}")
+    return server, health_servicer, bound
+
+
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -1,0 +1,115 @@
+"""The router's view of its workers: one gRPC channel each, their info and last load.
+
+A background loop asks the registry who exists, connects to new workers (Info), drops gone ones,
+and polls Stats; a worker whose RPC fails is marked dead until a poll succeeds again (Ray restarts
+it and it re-registers, possibly at a new address). Loads combine the worker's last Stats with the
+requests the router has sent it since, so a burst does not all land on one worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+
+from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from router.registry import Registry, WorkerEndpoint
+from router.selection import WorkerLoad
+
+log = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 2.0
+
+
+@dataclass
+class WorkerHandle:
+    endpoint: WorkerEndpoint
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.WorkerStub
+    info: worker_pb2.WorkerInfo
+    stats: worker_pb2.WorkerStats = field(default_factory=worker_pb2.WorkerStats)
+    alive: bool = True
+    inflight: int = 0  # requests the router has on this worker now
+
+    @property
+    def id(self) -> str:
+        return self.endpoint.id
+
+    def load(self) -> WorkerLoad:
+        s = self.stats
+        return WorkerLoad(self.id, s.kv_blocks_total, s.kv_blocks_used, max(s.running, self.inflight), s.waiting,
+                          self.alive)
+
+
+class WorkerPool:
+    def __init__(self, registry: Registry, poll_interval_s: float = 0.2) -> None:
+        self._registry = registry
+        self._poll_s = poll_interval_s
+        self._workers: dict[str, WorkerHandle] = {}
+        self._task: asyncio.Task | None = None
+        self.changed = asyncio.Event()
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._loop())
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for w in self._workers.values():
+            await w.channel.close()
+        self._workers.clear()
+
+    def workers(self, role: str | None = None) -> list[WorkerHandle]:
+        return [w for w in self._workers.values() if role is None or w.endpoint.role == role]
+
+    def get(self, worker_id: str) -> WorkerHandle | None:
+        return self._workers.get(worker_id)
+
+    def loads(self, role: str) -> list[WorkerLoad]:
+        return [w.load() for w in self.workers(role)]
+
+    def mark_dead(self, worker_id: str) -> None:
+        if w := self._workers.get(worker_id):
+            w.alive = False
+
+    def any_info(self) -> worker_pb2.WorkerInfo | None:
+        return next((w.info for w in self._workers.values() if w.alive), None)
+
+    async def refresh(self) -> None:
+        try:
+            endpoints = {e.id: e for e in await self._registry.list_workers()}
+        except Exception as e:  # the registry being briefly unreachable must not kill the router
+            log.warning("registry unavailable: %s", e)
+            return
+        for wid in [w for w in self._workers if w not in endpoints or endpoints[w] != self._workers[w].endpoint]:
+            await self._workers.pop(wid).channel.close()
+        await asyncio.gather(*(self._connect(e) for e in endpoints.values() if e.id not in self._workers))
+        await asyncio.gather(*(self._poll_stats(w) for w in list(self._workers.values())))
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_s)
+            await self.refresh()
+
+    async def _connect(self, e: WorkerEndpoint) -> None:
+        channel = grpc.aio.insecure_channel(e.address)
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        try:
+            info = await stub.Info(worker_pb2.InfoRequest(), timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError as err:
+            log.info("worker %s at %s not reachable yet: %s", e.id, e.address, err.code())
+            await channel.close()
+            return
+        self._workers[e.id] = WorkerHandle(e, channel, stub, info)
+        self.changed.set()
+
+    async def _poll_stats(self, w: WorkerHandle) -> None:
+        try:
+            w.stats = await w.stub.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT_S)
+            w.alive = True
+        except grpc.RpcError:
+            w.alive = False

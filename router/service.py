@@ -1,0 +1,213 @@
+"""What both front ends (gRPC and OpenAI HTTP) call: tokenize, validate, admit, stream text.
+
+`prepare` turns a request into prompt token ids and validated sampling options, raising
+ServiceError(INVALID_ARGUMENT) naming the field before any worker is touched. `stream` admits the
+request (RESOURCE_EXHAUSTED past --max-waiting), runs it through the orchestrator under its
+deadline, detokenizes incrementally, applies stop strings, and yields `Delta`s; the first carries
+the server-side TTFT, the last the finish reason and usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+
+from proto.pdserve.v1 import api_pb2
+from router.detokenizer import IncrementalDetokenizer
+from router.errors import ServiceError
+from router.metrics import RouterMetrics
+from router.orchestrator import Orchestrator
+from router.pool import WorkerPool
+from router.tokenizer import ChatMessage, ChatTemplateError, RouterTokenizer
+from router.validation import InvalidArgument, Sampling, validate_model, validate_prompt, validate_sampling
+
+DEFAULT_DEADLINE_S = 600.0
+
+
+@dataclass(frozen=True)
+class Prepared:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: Sampling
+
+
+@dataclass
+class Delta:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    usage: api_pb2.Usage | None = None
+    ttft_s: float | None = None
+
+
+class RouterService:
+    def __init__(self, pool: WorkerPool, orchestrator: Orchestrator, metrics: RouterMetrics,
+                 max_waiting: int = 256) -> None:
+        self.pool = pool
+        self.orchestrator = orchestrator
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self.waiting = 0
+        self.running = 0
+        self._tokenizer: RouterTokenizer | None = None
+
+    # -- model facts, learned from the workers ------------------------------------------------
+    def _info(self):
+        info = self.pool.any_info()
+        if info is None:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no live worker; retry later")
+        return info
+
+    @property
+    def model_id(self) -> str:
+        return self._info().model_id
+
+    @property
+    def max_model_len(self) -> int:
+        return self._info().max_model_len
+
+    @property
+    def tokenizer(self) -> RouterTokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = RouterTokenizer(self._info().tokenizer_dir)
+        return self._tokenizer
+
+    # -- request preparation ---------------------------------------------------------------------
+    def tokenize(self, model: str, prompt: str | None = None, chat: list[ChatMessage] | None = None,
+                 add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        """(rendered prompt text, token ids); raises ServiceError(INVALID_ARGUMENT)."""
+        try:
+            validate_model(model, self.model_id)
+            if chat is not None:
+                if not chat:
+                    raise InvalidArgument("messages", "must not be empty")
+                return self.tokenizer.encode_chat(chat, add_generation_prompt)
+            if not prompt:
+                raise InvalidArgument("prompt", "must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        except (InvalidArgument, ChatTemplateError) as e:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+
+    def prepare(self, model: str, sampling: Sampling, *, prompt: str | None = None,
+                chat: list[ChatMessage] | None = None, token_ids: list[int] | None = None,
+                request_id: str = "") -> Prepared:
+        try:
+            validate_sampling(sampling)
+            if token_ids is not None:
+                validate_model(model, self.model_id)
+                ids = list(token_ids)
+            else:
+                ids = self.tokenize(model, prompt, chat)[1]
+            validate_prompt(ids, sampling.max_tokens, self.max_model_len)
+        except InvalidArgument as e:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        return Prepared(request_id or f"req-{uuid.uuid4().hex[:16]}", ids, sampling)
+
+    # -- streaming -------------------------------------------------------------------------------
+    async def stream(self, req: Prepared, timeout_s: float | None = None) -> AsyncIterator[Delta]:
+        """Yield the request's deltas; raises ServiceError (the metrics count it either way)."""
+        if self.waiting >= self.max_waiting:
+            self.metrics.errors.labels(code="RESOURCE_EXHAUSTED").inc()
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"more than {self.max_waiting} requests waiting; retry later")
+        start = time.perf_counter()
+        deadline = asyncio.get_running_loop().time() + (timeout_s or DEFAULT_DEADLINE_S)
+        self.waiting += 1
+        self.metrics.waiting.inc()
+        started = False
+        try:
+            async with asyncio.timeout_at(deadline):
+                async for delta in self._run(req, start, deadline):
+                    if not started:
+                        started = True
+                        self._move_to_running()
+                    yield delta
+        except TimeoutError:
+            self.metrics.errors.labels(code="DEADLINE_EXCEEDED").inc()
+            raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
+        except ServiceError as e:
+            self.metrics.errors.labels(code=e.code.name).inc()
+            raise
+        finally:
+            if started:
+                self.running -= 1
+                self.metrics.running.dec()
+            else:
+                self.waiting -= 1
+                self.metrics.waiting.dec()
+
+    def _move_to_running(self) -> None:
+        self.waiting -= 1
+        self.metrics.waiting.dec()
+        self.running += 1
+        self.metrics.running.inc()
+
+    async def _run(self, req: Prepared, start: float, deadline: float) -> AsyncIterator[Delta]:
+        s = req.sampling
+        detok = IncrementalDetokenizer(self.tokenizer.decode, s.stop)
+        n_out, cached, last_t, first_t = 0, 0, None, start
+        flow = self.orchestrator.run(req.request_id, req.prompt_ids, to_wire(s), deadline)
+        async with contextlib.aclosing(flow):
+            async for tokens in flow:
+                now = time.perf_counter()
+                ttft = None
+                if last_t is None:
+                    ttft = now - start
+                    first_t = now
+                    self.metrics.ttft.observe(ttft)
+                    self.metrics.kv_bytes.inc(tokens.kv_bytes)
+                    if tokens.kv_bytes:
+                        self.metrics.kv_seconds.observe(tokens.transfer_seconds)
+                elif tokens.token_ids:
+                    self.metrics.itl.observe((now - last_t) / len(tokens.token_ids))
+                last_t = now
+                n_out += len(tokens.token_ids)
+                if tokens.usage is not None:
+                    cached = max(cached, tokens.usage.cached_tokens)
+                out = detok.add(tokens.token_ids)
+                finish = "stop" if out.stopped else tokens.finish_reason
+                text = out.text if out.stopped else out.text + (detok.finish() if finish else "")
+                delta = Delta(tokens.token_ids, text, finish, ttft_s=ttft)
+                if finish:
+                    delta.usage = api_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=n_out,
+                                                cached_tokens=cached)
+                    self._record_finish(finish, start, first_t, n_out, len(req.prompt_ids), cached)
+                    yield delta
+                    return
+                yield delta
+
+    def _record_finish(self, finish: str, start: float, first_t: float, n_out: int, n_prompt: int,
+                       cached: int) -> None:
+        m = self.metrics
+        now = time.perf_counter()
+        m.e2e.observe(now - start)
+        if n_out > 1:
+            m.tpot.observe((now - first_t) / (n_out - 1))
+        m.finished.labels(finish_reason=finish).inc()
+        m.prompt_tokens.inc(n_prompt)
+        m.generation_tokens.inc(n_out)
+        m.prefix_hits.inc(cached)
+
+
+def to_wire(s: Sampling) -> api_pb2.SamplingOptions:
+    """Validated sampling as sent to the workers, every field explicit."""
+    w = api_pb2.SamplingOptions(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
+                                stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
+    if s.seed is not None:
+        w.seed = s.seed
+    return w
+
+
+def from_wire(w: api_pb2.SamplingOptions) -> Sampling:
+    """Client options with server defaults for unset fields (not yet validated)."""
+    return Sampling(temperature=w.temperature if w.HasField("temperature") else 1.0,
+                    top_p=w.top_p if w.HasField("top_p") else 1.0, top_k=w.top_k,
+                    seed=w.seed if w.HasField("seed") else None,
+                    max_tokens=w.max_tokens if w.HasField("max_tokens") else Sampling.max_tokens,
+                    stop=tuple(w.stop), stop_token_ids=tuple(w.stop_token_ids), ignore_eos=w.ignore_eos)

@@ -1,0 +1,122 @@
+"""Router pure logic: selection, validation, incremental detokenization with stop strings,
+the no-torch rule. No model, no network."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router.detokenizer import IncrementalDetokenizer
+from router.selection import WorkerLoad, choose_decode, choose_prefill, use_local_prefill
+from router.validation import InvalidArgument, Sampling, validate_model, validate_prompt, validate_sampling
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_importing_the_router_does_not_import_torch():
+    code = ("import sys; import router.app, router.client, router.http_server, router.grpc_server; "
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+# -- selection ---------------------------------------------------------------------------------
+def _w(i, total=100, used=0, running=0, waiting=0, alive=True):
+    return WorkerLoad(f"w{i}", total, used, running, waiting, alive)
+
+
+def test_decode_choice_prefers_free_blocks_then_fewest_running():
+    assert choose_decode([_w(0, used=50), _w(1, used=10), _w(2, used=10, running=3)]) == "w1"
+    assert choose_decode([_w(0, used=10, running=2), _w(1, used=10, running=1)]) == "w1"
+
+
+def test_prefill_choice_prefers_shortest_queue():
+    assert choose_prefill([_w(0, waiting=3), _w(1, waiting=1, running=1), _w(2, waiting=0, running=4)]) == "w1"
+
+
+def test_dead_and_excluded_workers_are_never_chosen():
+    assert choose_decode([_w(0, alive=False), _w(1, used=90)]) == "w1"
+    assert choose_prefill([_w(0), _w(1, waiting=5)], exclude=frozenset({"w0"})) == "w1"
+    assert choose_prefill([_w(0)], exclude=frozenset({"w0"})) is None
+    assert choose_decode([]) is None
+
+
+def test_ties_break_on_id_deterministically():
+    assert choose_decode([_w(2), _w(1), _w(3)]) == "w1"
+
+
+def test_local_prefill_below_threshold_only():
+    assert use_local_prefill(10, 32) and not use_local_prefill(32, 32) and not use_local_prefill(1, 0)
+
+
+# -- validation --------------------------------------------------------------------------------
+@pytest.mark.parametrize("sampling, field", [
+    (Sampling(max_tokens=0), "max_tokens"),
+    (Sampling(temperature=-0.1), "temperature"),
+    (Sampling(top_p=0.0), "top_p"),
+    (Sampling(top_p=1.5), "top_p"),
+    (Sampling(stop=tuple(str(i) for i in range(17))), "stop"),
+    (Sampling(stop=("x" * 257,)), "stop"),
+])
+def test_bad_sampling_names_the_field(sampling, field):
+    with pytest.raises(InvalidArgument) as e:
+        validate_sampling(sampling)
+    assert e.value.field == field and str(e.value).startswith(field)
+
+
+def test_prompt_rules():
+    with pytest.raises(InvalidArgument, match="^prompt"):
+        validate_prompt([], 4, 100)
+    with pytest.raises(InvalidArgument, match="^max_tokens.*context length 100"):
+        validate_prompt([1] * 90, 11, 100)
+    validate_prompt([1] * 90, 10, 100)
+    with pytest.raises(InvalidArgument, match="^model"):
+        validate_model("gpt-4", "smollm2")
+    validate_model("", "smollm2")
+
+
+# -- incremental detokenization --------------------------------------------------------------
+# A toy byte-level vocabulary: token i decodes to VOCAB[i]; "é" is split over two byte tokens.
+VOCAB = {0: b"Hello", 1: b" wor", 2: b"ld", 3: b"\xc3", 4: b"\xa9", 5: b"!", 6: b"\n", 7: b"EN", 8: b"D"}
+
+
+def _decode(ids):
+    return b"".join(VOCAB[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def _run(ids, stop=(), step=1):
+    d = IncrementalDetokenizer(_decode, tuple(stop))
+    out, stopped = [], False
+    for i in range(0, len(ids), step):
+        delta = d.add(ids[i:i + step])
+        out.append(delta.text)
+        if delta.stopped:
+            stopped = True
+            break
+    if not stopped:
+        out.append(d.finish())
+    return out, stopped
+
+
+def test_deltas_join_to_the_full_text_and_never_split_a_character():
+    out, stopped = _run([0, 1, 2, 3, 4, 5])
+    assert "".join(out) == "Hello world\u00e9!" and not stopped
+    assert all("\ufffd" not in piece for piece in out)
+
+
+def test_stop_string_is_cut_and_never_streamed():
+    out, stopped = _run([0, 1, 2, 6, 7, 8, 5], stop=["\nEND"])
+    assert stopped and "".join(out) == "Hello world"
+    assert all("\n" not in piece for piece in out)
+
+
+def test_partial_stop_prefix_is_released_when_it_turns_out_not_to_be_one():
+    out, stopped = _run([0, 6, 5], stop=["\nEND"])
+    assert not stopped and "".join(out) == "Hello\n!"
+
+
+def test_stop_string_inside_one_token_batch():
+    out, stopped = _run([0, 1, 2, 5, 5], stop=["ld!"], step=5)
+    assert stopped and "".join(out) == "Hello wor"
