@@ -28,3 +28,11 @@ def sharegpt_prompts(n: int | None = None) -> list[str]:
 @pytest.fixture(scope="session")
 def shared_data_dir() -> Path:
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    """HF-layout directory of the bundled SmolLM2-135M-Instruct (imported from its GGUF once)."""
+    from engine.model_loader import resolve_model
+
+    return resolve_model("smollm2-135m-instruct")

@@ -1,0 +1,123 @@
+"""ModelRunner: one model, one paged KV cache, one forward over a flat batch of chunks.
+
+The shape every scheduler uses (chunked prefill, continuous batching, speculative
+verification): ``forward(chunks)`` takes any mix of prefill chunks and decode tokens from many
+sequences, writes their K/V into the cache through their block tables and returns the logits
+the chunks ask for. The runner owns no request state: block ids come from the caller.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from engine.batch import SeqChunk
+from engine.kv_cache import KVCacheSpec, PagedKVCache
+from engine.model_config import ModelConfig
+from engine.model_loader import resolve_model
+from engine.models.llama import LlamaForCausalLM
+from kernels.attention import AttentionMetadata, get_attention_backend
+
+DEFAULT_KV_CACHE_BYTES = 512 * 2**20
+
+
+class ModelRunner:
+    """Loads the model and allocates the KV cache at construction.
+
+    model_path_or_config: a model name or path (see engine.model_loader.resolve_model) or a
+        ModelConfig. block_size: tokens per KV block. num_blocks / kv_cache_memory_bytes: cache
+        size (num_blocks wins; default DEFAULT_KV_CACHE_BYTES). dtype: weights, activations and
+        cache (logits are always float32).
+    """
+
+    def __init__(self, model_path_or_config: str | os.PathLike[str] | ModelConfig, *, block_size: int = 16,
+                 num_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 attention_backend: str = "torch") -> None:
+        if isinstance(model_path_or_config, ModelConfig):
+            self.model_config = model_path_or_config
+        else:
+            self.model_config = ModelConfig.from_pretrained(resolve_model(model_path_or_config))
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.block_size = block_size
+        self.ops = get_attention_backend(attention_backend)
+        self.model = load_model(self.model_config, dtype, self.device)
+        cfg = self.model_config
+        if num_blocks is None:
+            num_blocks = KVCacheSpec.blocks_for_memory(kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES,
+                                                       cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                                       block_size, dtype)
+        spec = KVCacheSpec(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                           block_size=block_size, num_blocks=num_blocks, dtype=dtype)
+        self.kv_cache = PagedKVCache(spec, device=self.device)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.spec.num_blocks
+
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[SeqChunk],
+                layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Run one forward; return logits [sum(c.num_logits), vocab] float32, in chunk order.
+
+        layer_hook(l) is called right after layer l has written its K/V for every chunk.
+        Raises ValueError for an empty batch, a chunk with no tokens, num_logits outside
+        [0, num_tokens], a context beyond max_model_len, or a block table that is too short
+        or names a block outside the cache.
+        """
+        self._check(chunks)
+        input_ids, positions, logits_indices = self._flatten(chunks)
+        meta = AttentionMetadata.build([c.start_pos for c in chunks], [c.num_tokens for c in chunks],
+                                       [c.block_table for c in chunks], self.block_size, self.device)
+        return self.model(input_ids, positions, self.kv_cache, meta, logits_indices, self.ops, layer_hook)
+
+    def _flatten(self, chunks: Sequence[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ids: list[int] = []
+        positions: list[int] = []
+        logits_indices: list[int] = []
+        for c in chunks:
+            offset = len(ids)
+            ids.extend(c.token_ids)
+            positions.extend(range(c.start_pos, c.seq_len))
+            logits_indices.extend(range(offset + c.num_tokens - c.num_logits, offset + c.num_tokens))
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.device)  # noqa: E731
+        return as_tensor(ids), as_tensor(positions), as_tensor(logits_indices)
+
+    def _check(self, chunks: Sequence[SeqChunk]) -> None:
+        if not chunks:
+            raise ValueError("forward needs at least one chunk")
+        max_len = self.model_config.max_model_len
+        for i, c in enumerate(chunks):
+            if c.num_tokens < 1:
+                raise ValueError(f"chunk {i}: no tokens")
+            if not 0 <= c.num_logits <= c.num_tokens:
+                raise ValueError(f"chunk {i}: num_logits must be in [0, {c.num_tokens}], got {c.num_logits}")
+            if c.start_pos < 0 or c.seq_len > max_len:
+                raise ValueError(f"chunk {i}: context {c.seq_len} exceeds max_model_len {max_len}")
+            needed = -(-c.seq_len // self.block_size)
+            if len(c.block_table) < needed:
+                raise ValueError(f"chunk {i}: block table has {len(c.block_table)} blocks, needs {needed}")
+            if any(not 0 <= b < self.num_blocks for b in c.block_table[:needed]):
+                raise ValueError(f"chunk {i}: block id outside [0, {self.num_blocks})")
+
+
+def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """Build the model without initializing weights, then load its safetensors (memory-mapped)."""
+    from safetensors import safe_open
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    files = sorted(Path(cfg.path).glob("*.safetensors"))
+
+    def weights():
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    yield name, st.get_tensor(name)
+
+    model.load_weights(weights(), dtype=dtype, device=device)
+    return model.eval()

@@ -1,0 +1,1 @@
+"""Model definitions (own forward passes over the paged KV cache)."""
