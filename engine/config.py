@@ -1,0 +1,80 @@
+"""Engine configuration: frozen dataclasses, validated at construction. Pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Batching = Literal["continuous", "static"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """max_num_seqs: most requests in the running batch.
+    max_num_batched_tokens: token budget of one forward (decode tokens + prefill chunks).
+    max_model_len: longest sequence (prompt + output); None = the model's context length.
+    batching: "continuous" (iteration-level, Orca/vLLM) or "static" (HF generate style, for comparison).
+    max_waiting: most queued requests before add() refuses with RESOURCE_EXHAUSTED; None = unbounded.
+    """
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    batching: Batching = "continuous"
+    enable_chunked_prefill: bool = True
+    max_waiting: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}) so every running request can decode each step")
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """block_size: tokens per KV block. num_blocks: blocks in the cache; None = derive from
+    memory_bytes (default 512 MiB). watermark: fraction of blocks kept free at admission."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+
+    def resolved_memory_bytes(self) -> int | None:
+        if self.num_blocks is not None:
+            return None
+        return self.memory_bytes if self.memory_bytes is not None else 512 * 2**20
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """model: a name ("smollm2-135m-instruct") or an HF-layout directory.
+    dtype: "float32" | "bfloat16" | "float16"; device: "cpu" or "cuda[:i]".
+    num_threads: torch intra-op threads for this engine (None = leave torch's setting).
+    """
+
+    model: str = "smollm2-135m-instruct"
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    dtype: str = "float32"
+    device: str = "cpu"
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
