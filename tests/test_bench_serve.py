@@ -1,0 +1,352 @@
+"""pdserve bench serve / compare against real local servers with a known token schedule.
+
+The HTTP target is tests/fake_openai_server.py in its own process (a real streaming
+OpenAI-compatible server on 127.0.0.1); the gRPC target is tests/fake_grpc_server.py speaking
+pdserve's committed wire API. Every token arrives on a known schedule (TTFT_MS, then one every
+ITL_MS), so the measured figures have known true values. Timing tolerances cover loopback HTTP,
+request parsing and event-loop wake-up on a shared 2-core machine, nothing more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from bench.datasets import DatasetConfig, load_requests, read_sharegpt
+from bench.load import LoadConfig, arrival_offsets
+from bench.metrics import SLO, RequestRecord, goodput_rate, summarize
+from bench.serve import BenchSpec, run_benchmark
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TTFT_MS, ITL_MS = 60.0, 15.0
+OVERHEAD_MS = 25.0  # allowed client-side excess over the server's schedule (HTTP, parsing, wake-up)
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The fake OpenAI server's base URL; the process is stopped after the module."""
+    proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "tests" / "fake_openai_server.py"),
+                             "--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS)],
+                            stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PORT "), f"fake server did not start: {line!r}"
+        url = f"http://127.0.0.1:{int(line.split()[1])}"
+        for _ in range(200):  # the port is bound before uvicorn serves: wait until it answers
+            try:
+                httpx.get(url + "/v1/models", timeout=1.0).raise_for_status()
+                break
+            except httpx.HTTPError:
+                asyncio.run(asyncio.sleep(0.05))
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def reset(url: str) -> None:
+    httpx.post(url + "/reset").raise_for_status()
+
+
+def stats(url: str) -> dict:
+    return httpx.get(url + "/stats").json()
+
+
+def prompts_file(tmp_path: Path, prompts: list[str]) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": str(i), "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+    return path
+
+
+def spec(url: str, *, dataset: DatasetConfig, loads: list[LoadConfig] | None = None, slo: SLO | None = None,
+         backend: str = "openai", include_usage: bool = True) -> BenchSpec:
+    loads = loads or [LoadConfig(num_warmups=0, progress=False)]
+    return BenchSpec(backend=backend, url=url, model=None, tokenizer=None, dataset=dataset, loads=loads, slo=slo,
+                     sweep=len(loads) > 1, attainment_target=0.9, ignore_eos=False, include_usage=include_usage,
+                     timeout_s=30.0)
+
+
+def run(s: BenchSpec):
+    return asyncio.run(run_benchmark(s))
+
+
+# --- measured figures against the known schedule ------------------------------------------------
+
+def test_measured_ttft_itl_and_counts_match_the_schedule(server, tmp_path):
+    n_tokens = 6
+    prompts = ["one two three", "four five six seven"]
+    data = DatasetConfig("sharegpt", prompts_file(tmp_path, prompts), num_prompts=4, max_tokens=n_tokens)
+    out = run(spec(server, dataset=data, loads=[LoadConfig(max_concurrency=1, num_warmups=0, progress=False)]))
+    doc, records = out.doc, out.records[0]
+    assert (doc["completed"], doc["failed"]) == (4, 0)
+    assert doc["total_output_tokens"] == 4 * n_tokens
+    for r in records:
+        assert r.success and r.output_tokens == n_tokens and r.output_tokens_source == "usage"
+        assert r.prompt_len in (3, 4)  # the server's usage: words in the prompt
+        assert r.generated_text == "".join(f" tok{i}" for i in range(n_tokens))
+        assert TTFT_MS <= 1000 * r.ttft_s <= TTFT_MS + OVERHEAD_MS
+        assert len(r.itl_s) == n_tokens - 1
+        # The server keeps an absolute schedule, so one late token shortens the next gap: check
+        # each gap loosely and their mean (first to last token) tightly.
+        assert all(abs(1000 * g - ITL_MS) <= 8.0 for g in r.itl_s)
+        assert abs(1000 * np.mean(r.itl_s) - ITL_MS) <= 2.0
+        assert abs(1000 * r.tpot_s - ITL_MS) <= 2.0
+        assert abs(1000 * (r.e2el_s - r.ttft_s - sum(r.itl_s))) <= 5.0  # only the usage chunk and [DONE] after
+    assert TTFT_MS <= doc["median_ttft_ms"] <= TTFT_MS + OVERHEAD_MS
+    assert abs(doc["mean_itl_ms"] - ITL_MS) <= 2.0
+    assert abs(doc["mean_e2el_ms"] - (TTFT_MS + (n_tokens - 1) * ITL_MS)) <= OVERHEAD_MS
+
+
+def test_output_tokens_are_counted_from_chunks_without_usage(server, tmp_path):
+    data = DatasetConfig("sharegpt", prompts_file(tmp_path, ["hello"]), num_prompts=2, max_tokens=5)
+    out = run(spec(server, dataset=data, include_usage=False))
+    # fake-model has no tokenizer: one token per streamed chunk, and the record says so.
+    assert [(r.output_tokens, r.output_tokens_source) for r in out.records[0]] == [(5, "chunks")] * 2
+    assert out.doc["total_output_tokens"] == 10
+
+
+def test_warmup_requests_are_sent_but_excluded(server, tmp_path):
+    reset(server)
+    data = DatasetConfig("sharegpt", prompts_file(tmp_path, ["a b", "c d"]), num_prompts=3, max_tokens=2)
+    out = run(spec(server, dataset=data, loads=[LoadConfig(num_warmups=2, progress=False)]))
+    assert stats(server)["requests"] == 5
+    assert out.doc["completed"] == 3 and len(out.doc["requests"]) == 3
+    assert all(r["index"] >= 0 for r in out.doc["requests"])
+
+
+# --- load -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rate", [0.5, 4.0, 100.0])
+def test_poisson_arrivals_have_mean_gap_one_over_rate(rate):
+    gaps = np.diff(arrival_offsets(40_001, rate, 1.0, np.random.default_rng(7)))
+    assert abs(gaps.mean() * rate - 1.0) < 0.02
+    assert abs(gaps.std() / gaps.mean() - 1.0) < 0.03  # exponential gaps: coefficient of variation 1
+
+
+def test_gamma_burstiness_keeps_the_mean_and_sets_the_spread():
+    for b in (0.25, 4.0):
+        gaps = np.diff(arrival_offsets(40_001, 2.0, b, np.random.default_rng(1)))
+        assert abs(gaps.mean() * 2.0 - 1.0) < 0.03
+        assert abs(gaps.std() / gaps.mean() - 1.0 / math.sqrt(b)) < 0.05
+
+
+def test_arrivals_are_seeded_and_inf_sends_at_once():
+    a = arrival_offsets(100, 3.0, 1.0, np.random.default_rng(5))
+    assert a[0] == 0.0 and np.all(np.diff(a) >= 0)
+    assert np.array_equal(a, arrival_offsets(100, 3.0, 1.0, np.random.default_rng(5)))
+    assert not np.any(arrival_offsets(50, math.inf, 1.0, np.random.default_rng(5)))
+
+
+def test_max_concurrency_is_never_exceeded(server, tmp_path):
+    reset(server)
+    data = DatasetConfig("sharegpt", prompts_file(tmp_path, ["x y z"]), num_prompts=24, max_tokens=3)
+    out = run(spec(server, dataset=data, loads=[LoadConfig(max_concurrency=3, num_warmups=0, progress=False)]))
+    assert out.doc["completed"] == 24
+    s = stats(server)
+    assert s["requests"] == 24
+    assert s["max_in_flight"] == 3  # reached (24 requests sent at once) and never exceeded
+    # And as the client saw it: at no instant were more than 3 requests open.
+    events = sorted([(r.start_s, 1) for r in out.records[0]] + [(r.start_s + r.e2el_s, -1) for r in out.records[0]])
+    assert max(np.cumsum([d for _, d in events])) <= 3
+
+
+# --- goodput and failures -----------------------------------------------------------------------
+
+def _rec(i: int, ttft_ms: float, tpot_ms: float, n: int = 5, success: bool = True) -> RequestRecord:
+    itl = [tpot_ms / 1000] * (n - 1)
+    return RequestRecord(index=i, success=success, output_tokens=n if success else 0, ttft_s=ttft_ms / 1000,
+                         e2el_s=ttft_ms / 1000 + sum(itl), itl_s=itl, prompt_len=10)
+
+
+def test_goodput_counts_only_requests_meeting_every_slo():
+    records = [_rec(0, 50, 10), _rec(1, 150, 10), _rec(2, 50, 30), _rec(3, 150, 30), _rec(4, 80, 0, n=1),
+               RequestRecord(index=5, success=False, error="HTTP 500")]
+    slo = SLO.parse("ttft:100,tpot:20")
+    assert [slo.met_by(r) for r in records] == [True, False, False, False, True, False]
+    fig = summarize(records, duration_s=2.0, slo=slo)
+    assert fig["request_goodput"] == pytest.approx(2 / 2.0)
+    assert fig["slo_attainment"] == pytest.approx(2 / 6)  # failed requests count against attainment
+    assert (fig["completed"], fig["failed"]) == (5, 1)
+    assert summarize(records, 2.0)["request_goodput"] is None  # no SLO, no goodput
+
+
+def test_slo_spec_errors_are_clear():
+    from engine.errors import UserError
+
+    assert SLO.parse("ttft:200,tpot:50,e2el:1000") == SLO(200.0, 50.0, 1000.0)
+    for bad in ("ttfb:200", "ttft:abc", "ttft:-1"):
+        with pytest.raises(UserError, match="--slo"):
+            SLO.parse(bad)
+
+
+def test_goodput_end_to_end_against_slow_requests(server, tmp_path):
+    prompts = ["fast a", "fast b", "fast c", "fast d", "[[ttft=250]] slow first", "[[itl=50]] slow decode"]
+    data = DatasetConfig("sharegpt", prompts_file(tmp_path, prompts), num_prompts=6, max_tokens=5)
+    out = run(spec(server, dataset=data, slo=SLO.parse("ttft:150,tpot:35")))
+    doc, slo = out.doc, SLO.parse("ttft:150,tpot:35")
+    sent = load_requests(data, None)  # the same seeded order the run used
+    assert [slo.met_by(r) for r in out.records[0]] == [sent[r.index].prompt.startswith("fast") for r in out.records[0]]
+    assert doc["completed"] == 6
+    assert doc["slo_attainment"] == pytest.approx(4 / 6)
+    assert doc["request_goodput"] == pytest.approx(4 / doc["duration"])
+
+
+def test_failed_requests_are_counted_and_excluded_from_latency(server, tmp_path):
+    prompts = ["ok a", "ok b", "ok c", "[[fail=500]] boom", "[[ttft=400]] [[fail=midstream]] late boom"]
+    data = DatasetConfig("sharegpt", prompts_file(tmp_path, prompts), num_prompts=5, max_tokens=4)
+    out = run(spec(server, dataset=data, slo=SLO.parse("ttft:1000")))
+    doc = out.doc
+    assert (doc["completed"], doc["failed"]) == (3, 2)
+    assert doc["total_output_tokens"] == 3 * 4
+    assert doc["p99_ttft_ms"] < 300 and doc["p99_e2el_ms"] < 300  # the 400 ms failure is not in them
+    assert doc["slo_attainment"] == pytest.approx(3 / 5)
+    errors = sorted(r["error"] for r in doc["requests"] if not r["success"])
+    assert errors[0].startswith("HTTP 500") and errors[1].startswith("stream error")
+
+
+def test_unreachable_target_fails_every_request_not_the_run(tmp_path):
+    data = DatasetConfig("sharegpt", prompts_file(tmp_path, ["a"]), num_prompts=3, max_tokens=2)
+    out = run(dataclasses.replace(spec("http://127.0.0.1:9", dataset=data), model="m"))
+    assert (out.doc["completed"], out.doc["failed"]) == (0, 3)
+    assert out.doc["mean_ttft_ms"] is None and out.doc["request_throughput"] == 0
+
+
+# --- sweep ------------------------------------------------------------------------------------
+
+def test_sweep_goodput_is_the_highest_rate_meeting_the_target():
+    assert goodput_rate([(1, 1.0), (2, 0.95), (4, 0.9), (8, 0.5)], 0.9) == 4
+    assert goodput_rate([(1, 1.0), (2, 0.5), (4, 0.95)], 0.9) == 1  # no credit above a failing rate
+    assert goodput_rate([(1, 0.5)], 0.9) is None
+
+
+# --- datasets ---------------------------------------------------------------------------------
+
+def test_sharegpt_jsonl_and_original_json_list(tmp_path, shared_data_dir):
+    shared = read_sharegpt(shared_data_dir / "sharegpt_prompts.jsonl")
+    assert len(shared) == 700 and all(p for p, _ in shared)
+    original = tmp_path / "sg.json"
+    original.write_text(json.dumps([{"id": "a", "conversations": [{"from": "human", "value": "Hi?"},
+                                                                  {"from": "gpt", "value": "Hello there."}]},
+                                    {"id": "b", "conversations": []}]))
+    assert read_sharegpt(original) == [("Hi?", "Hello there.")]
+    reqs = load_requests(DatasetConfig("sharegpt", original, num_prompts=3), None)
+    assert [r.prompt for r in reqs] == ["Hi?"] * 3 and reqs[0].expected_output_len == 128
+
+
+def test_random_and_prefix_workloads_without_tokenizer():
+    reqs = load_requests(DatasetConfig("random", input_len=40, output_len=8, range_ratio=0.5, num_prompts=50), None)
+    assert all(20 <= len(r.prompt.split()) <= 60 and 4 <= r.expected_output_len <= 12 for r in reqs)
+    assert len({r.prompt for r in reqs}) == 50
+    again = load_requests(DatasetConfig("random", input_len=40, output_len=8, range_ratio=0.5, num_prompts=50), None)
+    assert [r.prompt for r in again] == [r.prompt for r in reqs]  # seeded
+    pre = load_requests(DatasetConfig("prefix", prefix_len=30, num_prefixes=3, input_len=5, num_prompts=9), None)
+    heads = [r.prompt.split("\n")[0] for r in pre]
+    assert len(set(heads)) == 3 and all(len(h.split()) == 30 for h in heads) and heads[0] == heads[3]
+
+
+# --- plots and the command line -----------------------------------------------------------------
+
+def _assert_png(path: Path) -> None:
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    img = matplotlib.image.imread(path)
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+
+
+def test_plots_are_valid_pngs(tmp_path):
+    from bench.plots import plot_run, plot_sweep
+
+    records = [_rec(i, 50 + 10 * i, 12) for i in range(10)]
+    for i, r in enumerate(records):
+        r.start_s = 0.1 * i
+    paths = plot_run(records, tmp_path)
+    runs = [{"request_rate": r, "slo_attainment": a, "request_goodput": g} for r, a, g in
+            [(1.0, 1.0, 1.0), (2.0, 0.95, 1.9), (4.0, 0.4, 1.6)]]
+    paths.append(plot_sweep(runs, 0.9, tmp_path))
+    assert sorted(p.name for p in paths) == ["attainment_vs_rate.png", "itl_cdf.png", "latency_over_time.png",
+                                            "throughput_over_time.png", "ttft_cdf.png"]
+    for p in paths:
+        _assert_png(p)
+
+
+def test_cli_sweep_json_plots_and_compare(server, tmp_path):
+    data = prompts_file(tmp_path, ["alpha beta", "gamma delta", "[[ttft=300]] slow"])
+    base = [sys.executable, "-m", "deploy.cli", "bench"]
+    common = ["serve", "--url", server, "--dataset-path", str(data), "--num-prompts", "9", "--max-tokens", "4",
+              "--slo", "ttft:200,tpot:40", "--no-progress"]
+    single = subprocess.run(base + common + ["--request-rate", "inf", "--json", str(tmp_path / "a.json")],
+                            capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
+    assert single.returncode == 0, single.stderr
+    assert "Serving Benchmark Result" in single.stdout and "Median TTFT (ms):" in single.stdout
+    sweep = subprocess.run(base + common + ["--sweep-rates", "20,40", "--json", str(tmp_path / "b.json"),
+                                            "--plot", str(tmp_path / "plots")],
+                           capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
+    assert sweep.returncode == 0, sweep.stderr
+    assert "Goodput (highest rate with >= 90% SLO attainment)" in sweep.stdout
+
+    a = json.loads((tmp_path / "a.json").read_text())
+    for key in ("completed", "failed", "request_throughput", "output_throughput", "request_goodput",
+                "slo_attainment", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
+                "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms"):
+        assert key in a, key
+    assert a["completed"] == 9 and len(a["requests"]) == 9 and a["request_rate"] == "inf"
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert [r["request_rate"] for r in b["runs"]] == [20.0, 40.0]
+    assert all(r["slo_attainment"] < 0.9 for r in b["runs"]) and b["goodput_rate"] is None  # 1 in 3 is slow
+    for name in ("ttft_cdf", "itl_cdf", "throughput_over_time", "latency_over_time"):
+        for rate in ("20", "40"):
+            _assert_png(tmp_path / "plots" / f"rate_{rate}_{name}.png")
+    _assert_png(tmp_path / "plots" / "attainment_vs_rate.png")
+
+    cmp = subprocess.run(base + ["compare", str(tmp_path / "a.json"), str(tmp_path / "a.json"), str(tmp_path / "b.json")],
+                         capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
+    assert cmp.returncode == 0, cmp.stderr
+    row = next(line for line in cmp.stdout.splitlines() if line.startswith("median_ttft_ms "))
+    assert "1.00x" in row  # a.json against itself
+    assert "goodput_rate" in cmp.stdout and "slo_attainment@20" in cmp.stdout
+
+
+def test_cli_reports_bad_input_in_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "serve", "--url", "http://127.0.0.1:9",
+                        "--model", "m", "--slo", "ttft=5"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
+    assert r.returncode == 2 and "--slo" in r.stderr and "Traceback" not in r.stderr
+
+
+# --- pdserve's gRPC API -----------------------------------------------------------------------
+
+def test_pdserve_grpc_target(tmp_path):
+    import fake_grpc_server
+    from fake_openai_server import Schedule
+
+    prompts = ["ok one", "ok two", "[[fail=500]] no", "[[ttft=250]] [[fail=midstream]] half"]
+    data = DatasetConfig("sharegpt", prompts_file(tmp_path, prompts), num_prompts=4, max_tokens=5)
+
+    async def main():
+        server, port, servicer = await fake_grpc_server.start(Schedule(TTFT_MS, ITL_MS))
+        try:
+            return await run_benchmark(spec(f"127.0.0.1:{port}", dataset=data, backend="pdserve-grpc"))
+        finally:
+            await server.stop(None)
+
+    out = asyncio.run(main())
+    doc = out.doc
+    assert doc["model_id"] == "fake-model"
+    assert (doc["completed"], doc["failed"]) == (2, 2)
+    assert doc["total_output_tokens"] == 10
+    ok = [r for r in out.records[0] if r.success]
+    assert all(r.output_tokens_source == "usage" and len(r.itl_s) == 4 for r in ok)
+    assert all(TTFT_MS <= 1000 * r.ttft_s <= TTFT_MS + OVERHEAD_MS for r in ok)
+    assert all(abs(1000 * r.tpot_s - ITL_MS) <= 3.0 for r in ok)
+    assert sorted(r.error.split(":")[0] for r in out.records[0] if not r.success) == ["INTERNAL", "UNAVAILABLE"]
