@@ -1,0 +1,95 @@
+"""``local`` backend: a copy between two caches of one process (aggregated mode, unit tests).
+
+Peers find each other through a process-wide registry keyed by the id in the metadata; a write is
+a synchronous ``copy_`` per coalesced descriptor, so its handle is DONE when ``write`` returns.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from typing import Sequence
+
+from engine.kv_cache import PagedKVCache
+from kv_transfer.base import (CompatKey, KVTransport, TransferHandle, TransferState, UnknownPeer, check_cache,
+                              decode_metadata, encode_metadata)
+from kv_transfer.plan import Desc, check_blocks, check_layers, coalesce, plan, region
+from kv_transfer.session import NotificationQueue
+
+_registry: "weakref.WeakValueDictionary[str, LocalTransport]" = weakref.WeakValueDictionary()
+_ids = itertools.count(1)
+_lock = threading.Lock()
+
+
+class LocalTransport(KVTransport):
+    name = "local"
+
+    def __init__(self) -> None:
+        self.local_id = f"local:{next(_ids)}"
+        self.cache: PagedKVCache | None = None
+        self.compat: CompatKey | None = None
+        self._notifications = NotificationQueue()
+        self._peers: set[str] = set()
+
+    def register_cache(self, cache: PagedKVCache, compat: CompatKey) -> bytes:
+        check_cache(cache, compat)
+        self.cache, self.compat = cache, compat
+        with _lock:
+            _registry[self.local_id] = self
+        return encode_metadata(self.name, compat, cache.spec.num_blocks, local_id=self.local_id)
+
+    def add_peer(self, metadata: bytes) -> str:
+        if self.cache is None:
+            raise RuntimeError("local: register_cache() first")
+        peer_id = str(decode_metadata(metadata, self.name, self.compat).get("local_id"))
+        if _registry.get(peer_id) is None:
+            raise UnknownPeer(f"local: no transport {peer_id!r} in this process")
+        self._peers.add(peer_id)
+        return peer_id
+
+    def _peer(self, peer: str) -> "LocalTransport":
+        other = _registry.get(peer) if peer in self._peers else None
+        if other is None:
+            raise UnknownPeer(f"local: unknown peer {peer!r}")
+        return other
+
+    def write(self, peer: str, src_blocks: Sequence[int], dst_blocks: Sequence[int], layers: Sequence[int],
+              notify: str, timeout_s: float) -> TransferHandle:
+        other = self._peer(peer)
+        check_blocks(src_blocks, dst_blocks, self.cache.spec.num_blocks, other.cache.spec.num_blocks)
+        descs = plan(check_layers(layers, self.cache.spec.num_layers), coalesce(src_blocks, dst_blocks))
+        handle = self._copy(descs, self.cache, other.cache, peer, notify, timeout_s)
+        if notify:
+            other._notifications.put(notify)
+        return handle
+
+    def read(self, peer: str, remote_blocks: Sequence[int], local_blocks: Sequence[int], layers: Sequence[int],
+             timeout_s: float, notify: str = "") -> TransferHandle:
+        other = self._peer(peer)
+        check_blocks(remote_blocks, local_blocks, other.cache.spec.num_blocks, self.cache.spec.num_blocks)
+        descs = plan(check_layers(layers, self.cache.spec.num_layers), coalesce(remote_blocks, local_blocks))
+        handle = self._copy(descs, other.cache, self.cache, peer, notify, timeout_s)
+        if notify:
+            other._notifications.put(notify)
+        return handle
+
+    @staticmethod
+    def _copy(descs: list[Desc], src: PagedKVCache, dst: PagedKVCache, peer: str, notify: str,
+              timeout_s: float) -> TransferHandle:
+        for d in descs:
+            region(dst.data, d.layer, d.kv, d.dst, d.count).copy_(region(src.data, d.layer, d.kv, d.src, d.count))
+        handle = TransferHandle(peer, notify, timeout_s, sum(d.count for d in descs) * src.spec.block_bytes)
+        handle._finish(TransferState.DONE)
+        return handle
+
+    def poll_notifications(self) -> list[str]:
+        return self._notifications.drain()
+
+    def send_notification(self, peer: str, message: str) -> None:
+        self._peer(peer)._notifications.put(message)
+
+    def close(self) -> None:
+        with _lock:
+            _registry.pop(self.local_id, None)
+        self._peers.clear()
