@@ -173,14 +173,21 @@ def sample_lengths(mean: int, range_ratio: float, n: int, rng: np.random.Generat
 
 
 def random_text(n_tokens: int, tokenizer: Tokenizer | None, rng: np.random.Generator) -> str:
-    """Text of about ``n_tokens`` tokens: random token ids decoded, or random common words."""
+    """Text of ``n_tokens`` tokens: random token ids decoded (re-encoded and trimmed or padded until
+    the round trip keeps the length, a few rounds at most), or ``n_tokens`` random common words."""
     if n_tokens <= 0:
         return ""
     if tokenizer is None:
         return " ".join(rng.choice(_WORDS, size=n_tokens))
-    # Skip the low ids, where special and byte tokens usually sit.
-    ids = rng.integers(min(1000, tokenizer.vocab_size // 2), tokenizer.vocab_size, size=n_tokens)
-    return tokenizer.decode(ids.tolist())
+    low = min(1000, tokenizer.vocab_size // 2)  # skip the low ids, where special and byte tokens usually sit
+    ids = rng.integers(low, tokenizer.vocab_size, size=n_tokens).tolist()
+    for _ in range(4):
+        text = tokenizer.decode(ids)
+        got = tokenizer.encode(text, add_special_tokens=False)
+        if len(got) == n_tokens:
+            break
+        ids = got[:n_tokens] + rng.integers(low, tokenizer.vocab_size, size=max(0, n_tokens - len(got))).tolist()
+    return text
 
 
 def _token_len(text: str, tokenizer: Tokenizer | None) -> int | None:

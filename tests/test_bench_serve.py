@@ -255,6 +255,22 @@ def test_random_and_prefix_workloads_without_tokenizer():
     assert len(set(heads)) == 3 and all(len(h.split()) == 30 for h in heads) and heads[0] == heads[3]
 
 
+@pytest.mark.model
+def test_real_tokenizer_sets_lengths_and_counts_output_without_usage(server, tmp_path, model_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_path))
+    reqs = load_requests(DatasetConfig("random", input_len=64, output_len=4, num_prompts=5), tok)
+    assert [r.prompt_len for r in reqs] == [64] * 5
+    assert all(len(tok.encode(r.prompt, add_special_tokens=False)) == 64 for r in reqs)
+    data = DatasetConfig("sharegpt", prompts_file(tmp_path, ["Hello, world"]), num_prompts=2, max_tokens=5)
+    out = run(dataclasses.replace(spec(server, dataset=data, include_usage=False), tokenizer=str(model_path)))
+    expected = len(tok.encode("".join(f" tok{i}" for i in range(5)), add_special_tokens=False))
+    assert expected != 5  # so counting chunks instead would fail this test
+    assert [(r.output_tokens, r.output_tokens_source) for r in out.records[0]] == [(expected, "tokenizer")] * 2
+    assert [r.prompt_len for r in out.records[0]] == [len(tok.encode("Hello, world", add_special_tokens=False))] * 2
+
+
 # --- plots and the command line -----------------------------------------------------------------
 
 def _assert_png(path: Path) -> None:
