@@ -1,0 +1,182 @@
+"""What every worker role shares: the engine, request checks, local generation, abort, stats.
+
+Used by the decode worker (decode_worker/worker.py), the prefill worker (prefill_worker/worker.py)
+and the aggregated worker (a decode worker that takes no remote KV). Requests are checked again
+here with engine.SamplingParams (the router checked them first), before any engine work starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator
+
+import grpc
+
+from engine.errors import EngineDeadError, InvalidRequest
+from engine.sampling_params import SamplingParams
+from proto.pdserve.v1 import api_pb2, worker_pb2
+
+log = logging.getLogger(__name__)
+
+
+class WorkerError(Exception):
+    """A request failed on this worker with a gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One worker process. role: "prefill" | "decode" | "agg"; kv_transport: "nixl" | "torch" | "tcp"
+    (ignored by agg). num_blocks None = derive from kv_cache_memory_bytes."""
+
+    worker_id: str
+    role: str
+    model: str = "smollm2-135m-instruct"
+    kv_transport: str = "tcp"
+    block_size: int = 16
+    num_blocks: int | None = 2048
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_waiting: int | None = None
+    num_threads: int = 1
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int | None = None
+    transfer_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode", "agg"):
+            raise ValueError(f"role must be prefill, decode or agg, got {self.role!r}")
+
+
+def sampling_params(wire: api_pb2.SamplingOptions, **override) -> SamplingParams:
+    """The engine's params from the wire message (all fields explicit, set by the router)."""
+    kwargs = dict(temperature=wire.temperature if wire.HasField("temperature") else 1.0,
+                  top_p=wire.top_p if wire.HasField("top_p") else 1.0, top_k=wire.top_k,
+                  seed=wire.seed if wire.HasField("seed") else None,
+                  max_tokens=wire.max_tokens if wire.HasField("max_tokens") else 16,
+                  stop=tuple(wire.stop), stop_token_ids=tuple(wire.stop_token_ids), ignore_eos=wire.ignore_eos)
+    return SamplingParams(**(kwargs | override))
+
+
+def usage_pb(usage) -> api_pb2.Usage:
+    if usage is None:
+        return api_pb2.Usage()
+    return api_pb2.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                         cached_tokens=usage.cached_tokens)
+
+
+def token_chunk(out) -> worker_pb2.TokenChunk:
+    """A RequestOutput on the wire; an engine-side error becomes UNAVAILABLE (never a success)."""
+    if out.finished and out.finish_reason in ("error", "abort"):
+        raise WorkerError(grpc.StatusCode.UNAVAILABLE, f"request {out.request_id} ended with {out.finish_reason}")
+    chunk = worker_pb2.TokenChunk(token_ids=out.new_token_ids, finish_reason=out.finish_reason or "")
+    if out.finished:
+        chunk.usage.CopyFrom(usage_pb(out.usage))
+    return chunk
+
+
+class WorkerCore:
+    """The engine of one worker and what all roles do with it."""
+
+    def __init__(self, config: WorkerConfig, engine, model_dir: Path, model_config) -> None:
+        self.config = config
+        self.engine = engine
+        self.model_dir = model_dir
+        self.model_config = model_config
+        self.kv_metadata = b""
+        self._background: set[asyncio.Task] = set()
+
+    # -- checks -----------------------------------------------------------------------------------
+    def check(self, prompt_ids: list[int], wire: api_pb2.SamplingOptions, **override) -> SamplingParams:
+        """Validate a request; raises WorkerError(INVALID_ARGUMENT) naming the field."""
+        try:
+            params = sampling_params(wire, **override)
+        except InvalidRequest as e:
+            raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        max_len = self.model_config.max_model_len
+        if not prompt_ids:
+            raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
+        if any(not 0 <= t < self.model_config.vocab_size for t in prompt_ids):
+            raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"prompt: token ids must be in [0, {self.model_config.vocab_size})")
+        if len(prompt_ids) + params.max_tokens > max_len:
+            raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"max_tokens: prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) "
+                              f"exceeds the context length {max_len}")
+        return params
+
+    # -- local generation (agg mode, short prompts) -------------------------------------------------
+    async def generate(self, request_id: str, prompt_ids: list[int], wire: api_pb2.SamplingOptions
+                       ) -> AsyncIterator[worker_pb2.TokenChunk]:
+        params = self.check(prompt_ids, wire)
+        async for chunk in self.stream(self.engine.generate(prompt_ids, params, request_id), request_id):
+            yield chunk
+
+    async def stream(self, outputs: AsyncIterator, request_id: str) -> AsyncIterator[worker_pb2.TokenChunk]:
+        """Relay engine outputs; whatever stops the stream early (cancel, error) aborts the request."""
+        finished = False
+        try:
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    finished = out.finished
+                    yield token_chunk(out)
+                    if finished:
+                        return
+        except (InvalidRequest, ValueError) as e:
+            raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except EngineDeadError as e:
+            raise WorkerError(grpc.StatusCode.UNAVAILABLE, f"engine stopped: {e}") from None
+        finally:
+            if not finished:
+                self.spawn(self.engine.abort(request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        await self.engine.abort(request_id)
+        return True
+
+    # -- introspection ----------------------------------------------------------------------------------
+    def info(self) -> worker_pb2.WorkerInfo:
+        mc = self.model_config
+        return worker_pb2.WorkerInfo(
+            id=self.config.worker_id, role=self.config.role, model_id=self.model_id, tokenizer_dir=str(self.model_dir),
+            max_model_len=mc.max_model_len, eos_token_ids=list(mc.eos_token_ids), block_size=self.config.block_size,
+            kv_transport="" if self.config.role == "agg" else self.config.kv_transport, kv_metadata=self.kv_metadata)
+
+    @property
+    def model_id(self) -> str:
+        return self.config.model
+
+    def stats(self, held: int = 0, leases: int = 0) -> worker_pb2.WorkerStats:
+        s = self.engine.stats()
+        return worker_pb2.WorkerStats(kv_blocks_total=s.kv_blocks_total, kv_blocks_used=s.kv_blocks_used,
+                                      kv_blocks_held=held, running=s.running, waiting=s.waiting,
+                                      prefix_cache_hit_tokens=getattr(s, "prefix_cache_hit_tokens", 0),
+                                      leases=leases)
+
+    def spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain_background(self) -> None:
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    # -- lifecycle (roles extend) -----------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the role's background tasks."""
+
+    async def close(self) -> None:
+        await self.drain_background()
+
+    def worker_stats(self) -> worker_pb2.WorkerStats:
+        return self.stats()

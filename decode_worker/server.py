@@ -1,0 +1,169 @@
+"""The worker gRPC service (pdserve.v1.Worker) for every role, and building a worker process.
+
+`start_worker(config)` loads the engine, creates and registers the KV transport (prefill and
+decode roles), builds the role's worker and serves it on config.host:config.port (0 = any free
+port); it returns the running `WorkerServer` with its bound address. RPCs a role does not serve
+answer FAILED_PRECONDITION. Worker failures become gRPC statuses; a handler cancelled by the
+router (cancel, disconnect, deadline) aborts the request on the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from decode_worker.base import WorkerConfig, WorkerCore, WorkerError
+from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def _role_error(role: str, rpc: str) -> WorkerError:
+    return WorkerError(grpc.StatusCode.FAILED_PRECONDITION, f"a {role} worker does not serve {rpc}")
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, worker: WorkerCore) -> None:
+        self.w = worker
+
+    async def Info(self, request, context):
+        return self.w.info()
+
+    async def Stats(self, request, context):
+        return self.w.worker_stats()
+
+    async def Reserve(self, request, context):
+        if not hasattr(self.w, "reserve"):
+            return await _fail(context, _role_error(self.w.config.role, "Reserve"))
+        try:
+            return await self.w.reserve(request.request_id, list(request.prompt_token_ids), request.sampling,
+                                        request.lease_seconds)
+        except WorkerError as e:
+            await _fail(context, e)
+
+    async def Prefill(self, request, context):
+        if not hasattr(self.w, "prefill"):
+            return await _fail(context, _role_error(self.w.config.role, "Prefill"))
+        try:
+            return await self.w.prefill(request)
+        except WorkerError as e:
+            await _fail(context, e)
+
+    async def Decode(self, request, context):
+        if not hasattr(self.w, "decode"):
+            await _fail(context, _role_error(self.w.config.role, "Decode"))
+        try:
+            async for chunk in self.w.decode(request.request_id, request.first_token_id):
+                yield chunk
+        except WorkerError as e:
+            await _fail(context, e)
+
+    async def Generate(self, request, context):
+        try:
+            async for chunk in self.w.generate(request.request_id, list(request.prompt_token_ids), request.sampling):
+                yield chunk
+        except WorkerError as e:
+            await _fail(context, e)
+
+    async def Release(self, request, context):
+        if hasattr(self.w, "release"):
+            await self.w.release(request.request_id)
+        return worker_pb2.ReleaseResponse()
+
+    async def Abort(self, request, context):
+        return worker_pb2.AbortResponse(found=await self.w.abort(request.request_id))
+
+
+async def _fail(context, e: WorkerError):
+    await context.abort(e.code, e.message)
+
+
+@dataclass
+class WorkerServer:
+    worker: WorkerCore
+    server: grpc.aio.Server
+    address: str
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        await self.server.stop(grace_s)
+        await self.worker.close()
+        transport = getattr(self.worker, "transport", None)
+        await self.worker.engine.shutdown()
+        if transport is not None:
+            transport.close()
+
+
+def build_worker(config: WorkerConfig) -> WorkerCore:
+    """Load the engine and the transport for config.role (heavy: imports torch, loads weights)."""
+    from engine.async_engine import AsyncEngine
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.model_loader import resolve_model
+
+    model_dir = resolve_model(config.model)
+    engine = AsyncEngine.from_config(EngineConfig(
+        model=str(model_dir),
+        scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                                  max_num_batched_tokens=config.max_num_batched_tokens,
+                                  max_waiting=config.max_waiting),
+        cache=CacheConfig(block_size=config.block_size, num_blocks=config.num_blocks),
+        num_threads=config.num_threads))
+    runner = _runner(engine)
+    args = (config, engine, model_dir, runner.model_config)
+    if config.role == "agg":
+        from decode_worker.worker import DecodeWorker
+
+        return DecodeWorker(*args, transport=None)
+    transport, metadata = _transport(config, runner)
+    if config.role == "decode":
+        from decode_worker.worker import DecodeWorker
+
+        worker = DecodeWorker(*args, transport=transport)
+    else:
+        from prefill_worker.kv_push import KVPusher
+        from prefill_worker.worker import PrefillWorker
+
+        spec = runner.kv_cache.spec
+        pusher = KVPusher(transport, spec.block_size, spec.num_layers, 2 * spec.block_bytes, config.transfer_timeout_s)
+        worker = PrefillWorker(*args, transport=transport, pusher=pusher)
+    worker.kv_metadata = metadata
+    return worker
+
+
+def _runner(engine):
+    """The engine's ModelRunner (for its KV cache and model config)."""
+    for path in ("runner", "model_runner", "engine.runner", "engine.model_runner", "core.runner",
+                 "core.model_runner", "llm_engine.runner", "llm_engine.model_runner"):
+        obj = engine
+        try:
+            for part in path.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        if hasattr(obj, "kv_cache"):
+            return obj
+    raise RuntimeError("cannot find the engine's model runner (kv_cache, model_config)")
+
+
+def _transport(config: WorkerConfig, runner):
+    from kv_transfer import create_transport
+    from kv_transfer.base import CompatKey
+
+    transport = create_transport(config.kv_transport)
+    compat = CompatKey.from_spec(runner.kv_cache.spec, runner.model_config.name)
+    return transport, transport.register_cache(runner.kv_cache, compat)
+
+
+async def start_worker(config: WorkerConfig) -> WorkerServer:
+    """Build the worker, start its background tasks and its gRPC server; returns the running server."""
+    worker = await asyncio.to_thread(build_worker, config)
+    await worker.start()
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"cannot bind the worker on {config.host}:{config.port}")
+    await server.start()
+    return WorkerServer(worker, server, f"{config.host}:{port}")
