@@ -10,6 +10,7 @@ Timing: ``time.perf_counter`` taken when the request is handed to the transport 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -96,7 +97,7 @@ class OpenAICompletionsBackend:
                  timeout_s: float = 600.0) -> None:
         import httpx
 
-        self.model, self._counter = model, counter
+        self.model, self._counter, self._timeout_s = model, counter, timeout_s
         self._url = base_url.rstrip("/") + endpoint
         self._extra: dict[str, Any] = {"temperature": temperature}
         if include_usage:
@@ -113,7 +114,7 @@ class OpenAICompletionsBackend:
         s = _Stream(st=time.perf_counter())
         rec.start_s = s.st - t0
         try:
-            async with self._client.stream("POST", self._url, json=payload) as resp:
+            async with asyncio.timeout(self._timeout_s), self._client.stream("POST", self._url, json=payload) as resp:
                 if resp.status_code != 200:
                     body = (await resp.aread()).decode("utf-8", "replace")
                     rec.error = f"HTTP {resp.status_code}: {body[:300]}"
@@ -121,7 +122,10 @@ class OpenAICompletionsBackend:
                 async for line in resp.aiter_lines():
                     if not self._on_line(line, s, rec):
                         break
-        except Exception as e:  # transport errors, timeouts, bad JSON: the request failed, the run goes on
+        except TimeoutError:
+            rec.error = f"timed out after {self._timeout_s:g} s"
+            return rec
+        except Exception as e:  # transport errors, bad JSON: the request failed, the run goes on
             rec.error = f"{type(e).__name__}: {e}"
             return rec
         if rec.error:

@@ -215,6 +215,13 @@ def test_failed_requests_are_counted_and_excluded_from_latency(server, tmp_path)
     assert errors[0].startswith("HTTP 500") and errors[1].startswith("stream error")
 
 
+def test_a_request_past_its_timeout_fails(server, tmp_path):
+    data = DatasetConfig("sharegpt", prompts_file(tmp_path, ["[[ttft=3000]] very slow"]), num_prompts=1, max_tokens=2)
+    out = run(dataclasses.replace(spec(server, dataset=data), timeout_s=0.3))
+    assert (out.doc["completed"], out.doc["failed"]) == (0, 1)
+    assert out.records[0][0].error == "timed out after 0.3 s"
+
+
 def test_unreachable_target_fails_every_request_not_the_run(tmp_path):
     data = DatasetConfig("sharegpt", prompts_file(tmp_path, ["a"]), num_prompts=3, max_tokens=2)
     out = run(dataclasses.replace(spec("http://127.0.0.1:9", dataset=data), model="m"))
