@@ -1,8 +1,88 @@
-"""pdserve generate: offline generation with the bundled model. (not built yet)."""
+"""pdserve generate: offline generation with the bundled model (or any supported checkpoint).
+
+    pdserve generate --model smollm2-135m-instruct --chat "What is the capital of France?"
+    pdserve generate --chat --prompts-file prompts.jsonl --json      # one JSON object per prompt
+
+Bad input (unknown model, unreadable path or prompts file, empty or too-long prompt, out-of-range
+sampling values) raises UserError / InvalidRequest: deploy/cli.py prints one line, exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
 
 import typer
 
+from engine.errors import UserError
+from engine.sampling_params import InvalidRequest, SamplingParams
 
-def command() -> None:
-    """pdserve generate: offline generation with the bundled model."""
-    raise typer.Exit(1)
+
+def command(
+    prompt: Optional[str] = typer.Argument(None, help="The prompt (or use --prompts-file)."),
+    model: str = typer.Option("smollm2-135m-instruct", "--model", "-m",
+                              help="Bundled model name, HF directory or .gguf file."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap each prompt in the chat template as one user message."),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="Most tokens to generate (>= 1)."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (default); > 0 samples."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1]."),
+    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = all)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Per-request seed (reproducible sampling)."),
+    prompts_file: Optional[Path] = typer.Option(None, "--prompts-file",
+                                                help='JSONL file, one {"prompt": "..."} per line.'),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON object per prompt."),
+    url: Optional[str] = typer.Option(None, "--url", help="Send the prompts to a running pdserve router instead."),
+) -> None:
+    """Generate completions offline: all prompts run as one batch through the paged-cache forward."""
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens)
+    prompts = _read_prompts(prompt, prompts_file)
+    if url is not None:
+        # The remote path: the serving engineer's client goes here (same prompts, params, output).
+        raise UserError("--url needs the serving client, which is not built yet; run without --url")
+    outputs = _generate_offline(model, prompts, params, chat)
+    for out in outputs:
+        if json_output:
+            print(json.dumps({"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids,
+                              "text": out.text, "finish_reason": out.finish_reason}), flush=True)
+        else:
+            print(out.text, flush=True)
+
+
+def _generate_offline(model: str, prompts: list[str], params: SamplingParams, chat: bool):
+    from engine.llm import LLM
+
+    return LLM(model).generate(prompts, params, chat=chat)
+
+
+def _read_prompts(prompt: str | None, prompts_file: Path | None) -> list[str]:
+    if (prompt is None) == (prompts_file is None):
+        raise UserError("give exactly one of a PROMPT argument or --prompts-file F.jsonl")
+    if prompt is not None:
+        if not prompt:
+            raise InvalidRequest("prompt", "must not be empty")
+        return [prompt]
+    return _read_prompts_file(prompts_file)
+
+
+def _read_prompts_file(path: Path) -> list[str]:
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read --prompts-file {str(path)!r}: {e.strerror if isinstance(e, OSError) else e}")
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{n}: not JSON ({e.msg}); each line must be {{\"prompt\": \"...\"}}")
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            raise UserError(f"{path}:{n}: each line must be an object with a string \"prompt\"")
+        if not obj["prompt"]:
+            raise InvalidRequest("prompt", f"must not be empty ({path}:{n})")
+        prompts.append(obj["prompt"])
+    if not prompts:
+        raise UserError(f"--prompts-file {str(path)!r} has no prompts")
+    return prompts

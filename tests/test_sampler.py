@@ -1,0 +1,112 @@
+"""The batched sampler: pure logic on small logits, no model."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from engine.sampler import Sampler, apply_top_k_top_p, check_stop, make_generator
+from engine.sampling_params import SamplingParams
+
+PROBS = [0.5, 0.3, 0.15, 0.05]
+LOGITS = torch.tensor([[math.log(p) for p in PROBS]])
+
+
+def draw_many(params: SamplingParams, n: int = 2000, logits: torch.Tensor = LOGITS) -> Counter:
+    gen = make_generator(params)
+    sampler = Sampler()
+    return Counter(sampler.sample(logits, [params], [gen]).token_ids[0] for _ in range(n))
+
+
+def test_greedy_is_argmax_per_row():
+    logits = torch.randn(5, 100, generator=torch.Generator().manual_seed(0))
+    out = Sampler().sample(logits, [SamplingParams(temperature=0)] * 5)
+    assert out.token_ids == logits.argmax(-1).tolist() and out.logprobs is None
+
+
+def test_temperature_one_follows_the_distribution():
+    counts = draw_many(SamplingParams(temperature=1.0, seed=7), n=4000)
+    for token, p in enumerate(PROBS):
+        assert abs(counts[token] / 4000 - p) < 0.03, counts
+
+
+def test_low_temperature_sharpens():
+    counts = draw_many(SamplingParams(temperature=0.2, seed=3), n=1000)
+    assert counts[0] / 1000 > 0.9
+
+
+def test_top_k_keeps_only_the_k_most_likely():
+    counts = draw_many(SamplingParams(temperature=1.0, top_k=2, seed=1))
+    assert set(counts) == {0, 1}
+    assert abs(counts[0] / 2000 - 0.5 / 0.8) < 0.04
+
+
+@pytest.mark.parametrize("top_p, allowed", [(0.5, {0}), (0.79, {0, 1}), (0.81, {0, 1, 2}), (1.0, {0, 1, 2, 3})])
+def test_top_p_keeps_the_smallest_nucleus(top_p, allowed):
+    counts = draw_many(SamplingParams(temperature=1.0, top_p=top_p, seed=2), n=3000)
+    assert set(counts) == allowed
+
+
+def test_top_k_1_mask_leaves_only_the_argmax():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(5))
+    masked = apply_top_k_top_p(logits, torch.ones(4, dtype=torch.int64), torch.ones(4))
+    assert torch.isfinite(masked).sum(-1).tolist() == [1] * 4
+    assert masked.argmax(-1).tolist() == logits.argmax(-1).tolist()
+    out = Sampler().sample(logits, [SamplingParams(temperature=1.5, top_k=1, seed=s) for s in range(4)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    """A seeded request draws the same tokens alone and inside batches of any composition."""
+    vocab = 1000
+    steps = [torch.randn(1, vocab, generator=torch.Generator().manual_seed(100 + i)) for i in range(20)]
+    mine = SamplingParams(temperature=1.0, top_p=0.9, seed=42)
+    alone_gen = make_generator(mine)
+    alone = [Sampler().sample(x, [mine], [alone_gen]).token_ids[0] for x in steps]
+
+    other = SamplingParams(temperature=0.7, seed=9)
+    unseeded, greedy = SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)
+    gens = [None, make_generator(other), make_generator(mine), None]
+    params = [unseeded, other, mine, greedy]
+    batched = []
+    for i, x in enumerate(steps):
+        logits = torch.cat([torch.randn(1, vocab), torch.randn(1, vocab), x, torch.randn(1, vocab)])
+        batched.append(Sampler().sample(logits, params, gens).token_ids[2])
+    assert batched == alone
+    again_gen = make_generator(mine)
+    assert [Sampler().sample(x, [mine], [again_gen]).token_ids[0] for x in steps] == alone
+    other_seed = make_generator(SamplingParams(temperature=1.0, top_p=0.9, seed=43))
+    assert [Sampler().sample(x, [mine], [other_seed]).token_ids[0] for x in steps] != alone
+
+
+def test_top_n_logprobs_are_sorted_and_match_log_softmax():
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(11))
+    params = [SamplingParams(temperature=0, logprobs=5), SamplingParams(temperature=0), SamplingParams(
+        temperature=1.0, seed=1, logprobs=2)]
+    out = Sampler().sample(logits, params, [None, None, make_generator(params[2])])
+    ref = logits.log_softmax(-1)
+    assert out.logprobs is not None and out.logprobs[1] is None
+    first, third = out.logprobs[0], out.logprobs[2]
+    assert len(first.top) == 5 and len(third.top) == 2
+    assert [t for t, _ in first.top] == ref[0].topk(5).indices.tolist()
+    assert all(abs(lp - ref[0, t].item()) < 1e-5 for t, lp in first.top)
+    assert first.token_id == out.token_ids[0] and abs(first.logprob - ref[0].max().item()) < 1e-5
+    assert abs(third.logprob - ref[2, out.token_ids[2]].item()) < 1e-5
+
+
+def test_check_stop():
+    p = SamplingParams(max_tokens=3, stop_token_ids=(7,))
+    eos = (2,)
+    assert check_stop(5, 1, p, eos) is None
+    assert check_stop(2, 1, p, eos) == "stop"
+    assert check_stop(7, 1, p, eos) == "stop"
+    assert check_stop(5, 3, p, eos) == "length"
+    assert check_stop(2, 1, SamplingParams(max_tokens=3, ignore_eos=True), eos) is None
+
+
+def test_rows_and_params_must_agree():
+    with pytest.raises(ValueError, match="2 logits rows but 1 params"):
+        Sampler().sample(torch.zeros(2, 4), [SamplingParams()])
