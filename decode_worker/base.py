@@ -18,6 +18,7 @@ import grpc
 
 from engine.errors import EngineDeadError, InvalidRequest
 from engine.sampling_params import SamplingParams
+from engine.scheduler import CapacityError
 from proto.pdserve.v1 import api_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,10 @@ class WorkerCore:
                         return
         except (InvalidRequest, ValueError) as e:
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except KeyError as e:
+            raise WorkerError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {e}") from None
+        except CapacityError as e:
+            raise WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         except EngineDeadError as e:
             raise WorkerError(grpc.StatusCode.UNAVAILABLE, f"engine stopped: {e}") from None
         finally:

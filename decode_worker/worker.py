@@ -80,7 +80,7 @@ class DecodeWorker(WorkerCore):
         return had
 
     def worker_stats(self) -> worker_pb2.WorkerStats:
-        return self.stats(held=self.reservations.held_blocks(), leases=len(self.reservations))
+        return self.stats(held=self.reservations.held_blocks, leases=len(self.reservations))
 
     async def _reap_leases(self) -> None:
         while True:

@@ -99,7 +99,7 @@ class PrefillWorker(WorkerCore):
         await self.engine.abort(request_id)
 
     def worker_stats(self) -> worker_pb2.WorkerStats:
-        return self.stats(held=self.holds.held_blocks(), leases=len(self.holds))
+        return self.stats(held=self.holds.held_blocks, leases=len(self.holds))
 
     def _peer(self, metadata: bytes) -> str:
         if metadata not in self._peers:

@@ -36,3 +36,34 @@ def model_path() -> Path:
     from engine.model_loader import resolve_model
 
     return resolve_model("smollm2-135m-instruct")
+
+
+# -- Ray: one local cluster per test session (serving tests) ---------------------------------
+def _outside_loopback_namespace() -> list[str]:
+    """Network interfaces other than lo (Ray must run in a loopback-only namespace here)."""
+    import os
+
+    return [i for i in os.listdir("/sys/class/net") if i != "lo"]
+
+
+@pytest.fixture(scope="session")
+def ray_session(tmp_path_factory):
+    """A local Ray (dashboard off, auth off, temp dir under pytest's), shared by the whole session.
+
+    Fails (never skips) outside a loopback-only network namespace: run the suite with `make test`
+    or `unshare -n bash -c 'ip link set lo up && exec .venv/bin/python -m pytest ...'`.
+    """
+    import os
+
+    others = _outside_loopback_namespace()
+    if others:
+        pytest.fail(f"Ray tests must run in a loopback-only network namespace (found {others}); use make test")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ["RAY_TMPDIR"] = str(tmp_path_factory.mktemp("ray"))
+    import ray
+
+    from deploy.cluster import init_ray
+
+    init_ray(num_cpus=8)
+    yield ray
+    ray.shutdown()
