@@ -41,9 +41,9 @@ def model_path() -> Path:
 # -- Ray: one local cluster per test session (serving tests) ---------------------------------
 def _outside_loopback_namespace() -> list[str]:
     """Network interfaces other than lo (Ray must run in a loopback-only namespace here)."""
-    import os
+    import socket
 
-    return [i for i in os.listdir("/sys/class/net") if i != "lo"]
+    return [name for _, name in socket.if_nameindex() if name != "lo"]
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,270 @@
+"""Serving end to end on real Ray, the real model, real gRPC and HTTP on 127.0.0.1:
+the official openai client, bad inputs, overload, cancellation at every stage; every test ends
+with the KV blocks of every worker back at their idle value."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import grpc
+import pytest
+
+from proto.pdserve.v1 import api_pb2, api_pb2_grpc
+from tests.conftest import sharegpt_prompts
+
+pytestmark = [pytest.mark.ray, pytest.mark.model]
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def serving(ray_session):
+    from deploy.cluster import ClusterSpec
+    from deploy.local_cluster import LocalServing
+    from router.app import RouterConfig
+
+    spec = ClusterSpec(mode="disagg", kv_transport="tcp", num_prefill=1, num_decode=1, num_blocks=256)
+    with LocalServing(spec, RouterConfig(port=0, http_port=0, mode="disagg", max_waiting=64)) as s:
+        yield s
+
+
+def assert_idle(serving, timeout_s: float = 30.0) -> None:
+    """Every worker: no KV block used or held, no lease, nothing running or waiting."""
+    end = time.monotonic() + timeout_s
+    while True:
+        stats = serving.worker_stats()
+        busy = {wid: s for wid, s in stats.items()
+                if s.kv_blocks_used or s.kv_blocks_held or s.leases or s.running or s.waiting}
+        if not busy and stats:
+            return
+        if time.monotonic() > end:
+            pytest.fail(f"workers not idle after {timeout_s}s: {busy}")
+        time.sleep(0.1)
+
+
+def _stub(serving):
+    return api_pb2_grpc.GenerationStub(grpc.insecure_channel(serving.grpc_address))
+
+
+def _chat_request(text: str, **sampling) -> api_pb2.GenerateRequest:
+    req = api_pb2.GenerateRequest(model=MODEL, sampling=api_pb2.SamplingOptions(**sampling))
+    req.chat.messages.add(role="user", content=text)
+    return req
+
+
+# -- the OpenAI API ------------------------------------------------------------------------------
+def test_openai_client_streaming_and_not_agree_with_right_usage(serving):
+    import openai
+
+    client = openai.OpenAI(base_url=serving.http_base_url, api_key="none")
+    msgs = [{"role": "user", "content": "Name three colors."}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert full.choices[0].message.content == streamed and streamed
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == full.usage.prompt_tokens and usage.completion_tokens == full.usage.completion_tokens
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    # prompt_tokens is what the router's tokenizer makes of the chat template
+    tok = _stub(serving).Tokenize(api_pb2.TokenizeRequest(model=MODEL, chat=api_pb2.ChatMessages(
+        messages=[api_pb2.ChatMessage(role="user", content="Name three colors.")])))
+    assert full.usage.prompt_tokens == len(tok.token_ids)
+    assert full.usage.completion_tokens <= 20 and full.choices[0].finish_reason in ("stop", "length")
+
+    plain = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    plain_stream = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True))
+    assert plain.choices[0].text == plain_stream and plain.usage.completion_tokens == 8
+    assert plain.choices[0].finish_reason == "length"
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    # the gRPC API gives the same text
+    grpc_text = "".join(m.text for m in _stub(serving).Generate(api_pb2.GenerateRequest(
+        model=MODEL, prompt="The capital of France is", sampling=api_pb2.SamplingOptions(temperature=0, max_tokens=8))))
+    assert grpc_text == plain.choices[0].text
+    assert_idle(serving)
+
+
+def test_stop_string_never_appears_in_the_stream(serving):
+    import openai
+
+    client = openai.OpenAI(base_url=serving.http_base_url, api_key="none")
+    prompt = "Count from 1 to 20, separated by commas: 1, 2, 3,"
+    free = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+    assert " 7" in free, free  # the stop string below really occurs in the unconstrained text
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[" 7"], stream=True)]
+    text = "".join(pieces)
+    assert text == free[:free.index(" 7")] and " 7" not in text
+    assert all(" 7" not in p for p in pieces)
+    assert_idle(serving)
+
+
+# -- bad input and overload ------------------------------------------------------------------------
+BAD = [
+    ({"prompt": "", "max_tokens": 4}, "prompt"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 8200}, "max_tokens"),
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"prompt": "hi", "model": "gpt-4"}, "model"),
+    ({"prompt": "hi", "stop": [str(i) for i in range(17)]}, "stop"),
+    ({"prompt": "hi", "stop": ["x" * 257]}, "stop"),
+]
+
+
+@pytest.mark.parametrize("fields, name", BAD)
+def test_bad_input_gets_invalid_argument_naming_the_field(serving, fields, name):
+    import httpx
+
+    body = {"model": MODEL, **fields}
+    r = httpx.post(f"{serving.http_base_url}/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(name)
+    sampling = {k: v for k, v in fields.items() if k in ("max_tokens", "temperature", "top_p", "stop")}
+    req = api_pb2.GenerateRequest(model=fields.get("model", MODEL), prompt=fields["prompt"],
+                                  sampling=api_pb2.SamplingOptions(**sampling))
+    with pytest.raises(grpc.RpcError) as e:
+        list(_stub(serving).Generate(req, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(name)
+    assert_idle(serving)
+
+
+def test_workers_check_again_and_refuse_bad_requests(serving):
+    """A request that skips the router's checks is refused by the worker itself, before any work."""
+    from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+    for w in serving.router.pool.workers():
+        stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(w.endpoint.address))
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(worker_pb2.WorkerGenerateRequest(
+                request_id="bad-1", prompt_token_ids=[1, 2], sampling=api_pb2.SamplingOptions(top_p=2.0)), timeout=10))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in e.value.details()
+    assert_idle(serving)
+
+
+def test_too_many_waiting_gets_resource_exhausted(serving):
+    from router.app import Router, RouterConfig
+    from router.registry import CallableRegistry
+
+    async def run() -> list:
+        router = Router(CallableRegistry(serving.controller.list_workers),
+                        RouterConfig(port=0, http_port=None, mode="disagg", max_waiting=2))
+        ep = await router.start()
+        try:
+            async with grpc.aio.insecure_channel(ep.grpc) as ch:
+                stub = api_pb2_grpc.GenerationStub(ch)
+
+                async def one(i: int):
+                    req = api_pb2.GenerateRequest(model=MODEL, prompt=f"Tell me about the number {i}.",
+                                                  sampling=api_pb2.SamplingOptions(temperature=0, max_tokens=4))
+                    try:
+                        return "".join([m.text async for m in stub.Generate(req, timeout=60)])
+                    except grpc.RpcError as e:
+                        return e.code()
+
+                return await asyncio.gather(*(one(i) for i in range(8)))
+        finally:
+            await router.stop()
+
+    results = serving.call(run(), 120)
+    exhausted = [r for r in results if r == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert exhausted and len(exhausted) <= 6, results
+    assert all(isinstance(r, str) for r in results if r not in exhausted), results
+    assert_idle(serving)
+
+
+def test_no_prefill_worker_alive_gets_unavailable_and_frees_the_reservation(serving):
+    from router.app import Router, RouterConfig
+    from router.registry import CallableRegistry
+
+    async def decode_only():
+        return [w for w in await serving.controller.list_workers() if w.role == "decode"]
+
+    async def run():
+        router = Router(CallableRegistry(decode_only), RouterConfig(port=0, http_port=0, mode="disagg"))
+        ep = await router.start()
+        try:
+            async with grpc.aio.insecure_channel(ep.grpc) as ch:
+                req = api_pb2.GenerateRequest(model=MODEL, prompt="Hello there",
+                                              sampling=api_pb2.SamplingOptions(max_tokens=4))
+                try:
+                    [m async for m in api_pb2_grpc.GenerationStub(ch).Generate(req, timeout=30)]
+                except grpc.RpcError as e:
+                    grpc_code = e.code()
+            import httpx
+
+            async with httpx.AsyncClient() as c:
+                r = await c.post(f"http://{ep.http}/v1/completions", json={"model": MODEL, "prompt": "Hi"})
+            return grpc_code, r.status_code
+        finally:
+            await router.stop()
+
+    assert serving.call(run(), 60) == (grpc.StatusCode.UNAVAILABLE, 503)
+    assert_idle(serving)
+
+
+def test_deadline_exceeded(serving):
+    import httpx
+
+    prompt = sharegpt_prompts(1)[0]
+    r = httpx.post(f"{serving.http_base_url}/completions",
+                   json={"model": MODEL, "prompt": prompt, "max_tokens": 200, "timeout": 0.3}, timeout=30)
+    assert r.status_code == 504 and r.json()["error"]["code"] == "DEADLINE_EXCEEDED"
+    with pytest.raises(grpc.RpcError) as e:
+        list(_stub(serving).Generate(_chat_request(prompt, max_tokens=200), timeout=0.3))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_idle(serving)
+
+
+# -- cancellation at every stage -----------------------------------------------------------------
+def _cancel_round(serving, stage: str, n: int, concurrency: int = 5) -> dict[str, int]:
+    """n requests cancelled by the client at `stage`; returns how each ended."""
+    prompts = sharegpt_prompts(40)
+    rng = random.Random(stage)
+
+    async def one(stub, i: int) -> str:
+        prompt = prompts[i % len(prompts)]
+        req = _chat_request(prompt, temperature=0, max_tokens=64, ignore_eos=True)
+        call = stub.Generate(req, timeout=120)
+        if stage == "queued":  # sent behind others on a busy prefill worker: cancel before any work
+            await asyncio.sleep(rng.uniform(0, 0.005))
+        elif stage == "prefill":  # somewhere inside the prefill (and its layer-wise transfer)
+            await asyncio.sleep(rng.uniform(0.01, 0.25))
+        received = 0
+        if stage in ("transfer", "decode"):
+            async for m in call:  # transfer: right after the first token (KV handoff); decode: later
+                received += len(m.token_ids)
+                if received >= (1 if stage == "transfer" else rng.randint(2, 20)):
+                    break
+        call.cancel()
+        return "cancelled"
+
+    async def run():
+        async with grpc.aio.insecure_channel(serving.grpc_address) as ch:
+            stub = api_pb2_grpc.GenerationStub(ch)
+            outcomes: dict[str, int] = {}
+            for start in range(0, n, concurrency):
+                results = await asyncio.gather(*(one(stub, i) for i in range(start, min(n, start + concurrency))),
+                                               return_exceptions=True)
+                for r in results:
+                    key = r if isinstance(r, str) else type(r).__name__
+                    outcomes[key] = outcomes.get(key, 0) + 1
+            await serving.router.orchestrator.drain()
+            return outcomes
+
+    return serving.call(run(), 600)
+
+
+@pytest.mark.parametrize("stage", ["queued", "prefill", "transfer", "decode"])
+def test_cancellation_at_every_stage_leaks_nothing(serving, stage):
+    outcomes = _cancel_round(serving, stage, n=50)
+    assert outcomes == {"cancelled": 50}, outcomes
+    assert_idle(serving)
+    # and the cluster still serves
+    text = "".join(m.text for m in _stub(serving).Generate(_chat_request("Say hi.", temperature=0, max_tokens=4)))
+    assert text
+    assert_idle(serving)
