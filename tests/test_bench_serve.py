@@ -84,28 +84,33 @@ def run(s: BenchSpec):
 # --- measured figures against the known schedule ------------------------------------------------
 
 def test_measured_ttft_itl_and_counts_match_the_schedule(server, tmp_path):
-    n_tokens = 6
+    n_tokens, n_req = 6, 8
     prompts = ["one two three", "four five six seven"]
-    data = DatasetConfig("sharegpt", prompts_file(tmp_path, prompts), num_prompts=4, max_tokens=n_tokens)
-    out = run(spec(server, dataset=data, loads=[LoadConfig(max_concurrency=1, num_warmups=0, progress=False)]))
+    data = DatasetConfig("sharegpt", prompts_file(tmp_path, prompts), num_prompts=n_req, max_tokens=n_tokens)
+    out = run(spec(server, dataset=data, loads=[LoadConfig(max_concurrency=1, num_warmups=1, progress=False)]))
     doc, records = out.doc, out.records[0]
-    assert (doc["completed"], doc["failed"]) == (4, 0)
-    assert doc["total_output_tokens"] == 4 * n_tokens
+    assert (doc["completed"], doc["failed"]) == (n_req, 0)
+    assert doc["total_output_tokens"] == n_req * n_tokens
     for r in records:
         assert r.success and r.output_tokens == n_tokens and r.output_tokens_source == "usage"
         assert r.prompt_len in (3, 4)  # the server's usage: words in the prompt
         assert r.generated_text == "".join(f" tok{i}" for i in range(n_tokens))
-        assert TTFT_MS <= 1000 * r.ttft_s <= TTFT_MS + OVERHEAD_MS
         assert len(r.itl_s) == n_tokens - 1
-        # The server keeps an absolute schedule, so one late token shortens the next gap: check
-        # each gap loosely and their mean (first to last token) tightly.
-        assert all(abs(1000 * g - ITL_MS) <= 8.0 for g in r.itl_s)
-        assert abs(1000 * np.mean(r.itl_s) - ITL_MS) <= 2.0
-        assert abs(1000 * r.tpot_s - ITL_MS) <= 2.0
-        assert abs(1000 * (r.e2el_s - r.ttft_s - sum(r.itl_s))) <= 5.0  # only the usage chunk and [DONE] after
+        # Hard bounds: the server never sends early, so a client timer that starts late or stops
+        # early would show up here.
+        assert 1000 * r.ttft_s >= TTFT_MS
+        assert 1000 * r.e2el_s >= TTFT_MS + (n_tokens - 1) * ITL_MS  # the last token is due then
+    # Upper bounds on medians: other engineers' jobs share these 2 cores, so one request may stall.
+    # The server keeps an absolute schedule (one late token shortens the next gap), so a request's
+    # mean gap (first to last token) is the schedule's ITL.
+    assert TTFT_MS <= np.median([1000 * r.ttft_s for r in records]) <= TTFT_MS + OVERHEAD_MS
+    assert abs(np.median([1000 * np.mean(r.itl_s) for r in records]) - ITL_MS) <= 2.0
+    assert abs(np.median([1000 * r.tpot_s for r in records]) - ITL_MS) <= 2.0
+    # After the last text chunk only the usage chunk and [DONE] follow.
+    assert np.median([1000 * (r.e2el_s - r.ttft_s - sum(r.itl_s)) for r in records]) <= 5.0
     assert TTFT_MS <= doc["median_ttft_ms"] <= TTFT_MS + OVERHEAD_MS
-    assert abs(doc["mean_itl_ms"] - ITL_MS) <= 2.0
-    assert abs(doc["mean_e2el_ms"] - (TTFT_MS + (n_tokens - 1) * ITL_MS)) <= OVERHEAD_MS
+    assert abs(doc["median_itl_ms"] - ITL_MS) <= 3.0
+    assert doc["median_e2el_ms"] >= TTFT_MS + (n_tokens - 1) * ITL_MS
 
 
 def test_output_tokens_are_counted_from_chunks_without_usage(server, tmp_path):
@@ -191,10 +196,12 @@ def test_slo_spec_errors_are_clear():
 
 
 def test_goodput_end_to_end_against_slow_requests(server, tmp_path):
-    prompts = ["fast a", "fast b", "fast c", "fast d", "[[ttft=250]] slow first", "[[itl=50]] slow decode"]
+    # Wide margins both ways (fast: 60 ms / 15 ms; slow: 600 ms / 80 ms) so a busy machine cannot flip one.
+    prompts = ["fast a", "fast b", "fast c", "fast d", "[[ttft=600]] slow first", "[[itl=80]] slow decode"]
     data = DatasetConfig("sharegpt", prompts_file(tmp_path, prompts), num_prompts=6, max_tokens=5)
-    out = run(spec(server, dataset=data, slo=SLO.parse("ttft:150,tpot:35")))
-    doc, slo = out.doc, SLO.parse("ttft:150,tpot:35")
+    slo = SLO.parse("ttft:300,tpot:45")
+    out = run(spec(server, dataset=data, slo=slo))
+    doc = out.doc
     sent = load_requests(data, None)  # the same seeded order the run used
     assert [slo.met_by(r) for r in out.records[0]] == [sent[r.index].prompt.startswith("fast") for r in out.records[0]]
     assert doc["completed"] == 6
@@ -370,6 +377,7 @@ def test_pdserve_grpc_target(tmp_path):
     assert doc["total_output_tokens"] == 10
     ok = [r for r in out.records[0] if r.success]
     assert all(r.output_tokens_source == "usage" and len(r.itl_s) == 4 for r in ok)
-    assert all(TTFT_MS <= 1000 * r.ttft_s <= TTFT_MS + OVERHEAD_MS for r in ok)
-    assert all(abs(1000 * r.tpot_s - ITL_MS) <= 3.0 for r in ok)
+    assert all(1000 * r.ttft_s >= TTFT_MS for r in ok)
+    assert min(1000 * r.ttft_s for r in ok) <= TTFT_MS + OVERHEAD_MS
+    assert min(abs(1000 * r.tpot_s - ITL_MS) for r in ok) <= 3.0
     assert sorted(r.error.split(":")[0] for r in out.records[0] if not r.success) == ["INTERNAL", "UNAVAILABLE"]
