@@ -210,13 +210,13 @@ def test_goodput_end_to_end_against_slow_requests(server, tmp_path):
 
 
 def test_failed_requests_are_counted_and_excluded_from_latency(server, tmp_path):
-    prompts = ["ok a", "ok b", "ok c", "[[fail=500]] boom", "[[ttft=400]] [[fail=midstream]] late boom"]
+    prompts = ["ok a", "ok b", "ok c", "[[fail=500]] boom", "[[ttft=1000]] [[fail=midstream]] late boom"]
     data = DatasetConfig("sharegpt", prompts_file(tmp_path, prompts), num_prompts=5, max_tokens=4)
     out = run(spec(server, dataset=data, slo=SLO.parse("ttft:1000")))
     doc = out.doc
     assert (doc["completed"], doc["failed"]) == (3, 2)
     assert doc["total_output_tokens"] == 3 * 4
-    assert doc["p99_ttft_ms"] < 300 and doc["p99_e2el_ms"] < 300  # the 400 ms failure is not in them
+    assert doc["p99_ttft_ms"] < 600 and doc["p99_e2el_ms"] < 600  # the 1000 ms failure is not in them
     assert doc["slo_attainment"] == pytest.approx(3 / 5)
     errors = sorted(r["error"] for r in doc["requests"] if not r["success"])
     assert errors[0].startswith("HTTP 500") and errors[1].startswith("stream error")
@@ -378,6 +378,6 @@ def test_pdserve_grpc_target(tmp_path):
     ok = [r for r in out.records[0] if r.success]
     assert all(r.output_tokens_source == "usage" and len(r.itl_s) == 4 for r in ok)
     assert all(1000 * r.ttft_s >= TTFT_MS for r in ok)
-    assert min(1000 * r.ttft_s for r in ok) <= TTFT_MS + OVERHEAD_MS
+    assert min(1000 * r.ttft_s for r in ok) <= 2 * TTFT_MS  # server and client share one event loop here
     assert min(abs(1000 * r.tpot_s - ITL_MS) for r in ok) <= 3.0
     assert sorted(r.error.split(":")[0] for r in out.records[0] if not r.success) == ["INTERNAL", "UNAVAILABLE"]
