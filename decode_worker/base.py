@@ -145,7 +145,7 @@ class WorkerCore:
                 self.spawn(self.engine.abort(request_id))
 
     async def abort(self, request_id: str) -> bool:
-        await self.engine.abort(request_id)
+        await self.settle(self.engine.abort(request_id))
         return True
 
     # -- introspection ----------------------------------------------------------------------------------
@@ -167,10 +167,17 @@ class WorkerCore:
                                       prefix_cache_hit_tokens=getattr(s, "prefix_cache_hit_tokens", 0),
                                       leases=leases)
 
-    def spawn(self, coro) -> None:
+    def spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
+
+    async def settle(self, coro):
+        """Run a freeing step (abort, release) to completion even if the RPC that asked for it is
+        cancelled (the caller's deadline): the engine call queues behind a long forward, and a
+        cancelled executor job would never run, leaking the request's blocks."""
+        return await asyncio.shield(self.spawn(coro))
 
     async def drain_background(self) -> None:
         while self._background:

@@ -76,7 +76,7 @@ class DecodeWorker(WorkerCore):
 
     async def abort(self, request_id: str) -> bool:
         had = self.reservations.release(request_id) is not None
-        await self.engine.abort(request_id)
+        await self.settle(self.engine.abort(request_id))
         return had
 
     def worker_stats(self) -> worker_pb2.WorkerStats:

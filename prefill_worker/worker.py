@@ -86,11 +86,11 @@ class PrefillWorker(WorkerCore):
 
     async def release(self, request_id: str) -> None:
         if self.holds.confirm(request_id) is not None:
-            await self.engine.release_kv(request_id)
+            await self.settle(self.engine.release_kv(request_id))
 
     async def abort(self, request_id: str) -> bool:
         had = request_id in self.holds
-        await self._abort_push(request_id)
+        await self.settle(self._abort_push(request_id))
         return had
 
     async def _abort_push(self, request_id: str) -> None:

@@ -68,3 +68,39 @@ class RouterClient:
                 pass
             time.sleep(0.2)
         raise TimeoutError(f"router not serving after {timeout_s:.0f} s")
+
+
+def print_generations(url: str, prompts: list[str], *, chat: bool, json_output: bool, model: str = "",
+                      show_ttft: bool = True, timeout_s: float | None = 600.0, **sampling) -> None:
+    """`pdserve generate --url`: stream each prompt's answer to stdout as it arrives.
+
+    Text mode prints the deltas as they come, then a line with the server-side TTFT and the usage
+    on stderr; --json prints one object per prompt (token ids, text, finish reason, usage, ttft).
+    Raises UserError-like RuntimeError on a gRPC error (the CLI prints it on one line).
+    """
+    import json
+    import sys
+
+    with RouterClient(url, timeout_s=timeout_s) as client:
+        for prompt in prompts:
+            ids, text, ttft, last = [], [], 0.0, None
+            try:
+                for msg in client.generate(prompt, chat=chat, model=model, **sampling):
+                    ids += msg.token_ids
+                    text.append(msg.text)
+                    ttft = ttft or msg.ttft_seconds
+                    last = msg
+                    if not json_output:
+                        print(msg.text, end="", flush=True)
+            except grpc.RpcError as e:
+                raise ConnectionError(f"{url}: {e.code().name}: {e.details()}") from None
+            usage = last.usage if last is not None else None
+            if json_output:
+                print(json.dumps({"token_ids": ids, "text": "".join(text), "finish_reason": last.finish_reason,
+                                  "ttft_s": ttft, "prompt_tokens": usage.prompt_tokens,
+                                  "completion_tokens": usage.completion_tokens}), flush=True)
+            else:
+                print(flush=True)
+                if show_ttft:
+                    print(f"[TTFT {ttft * 1000:.0f} ms, {usage.completion_tokens} tokens, "
+                          f"finish {last.finish_reason}]", file=sys.stderr, flush=True)

@@ -31,7 +31,7 @@ from router.selection import choose_decode, choose_prefill, use_local_prefill
 
 log = logging.getLogger(__name__)
 
-ABORT_TIMEOUT_S = 5.0
+ABORT_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
