@@ -37,9 +37,15 @@ def command(
     """Generate completions offline: all prompts run as one batch through the paged-cache forward."""
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens)
     prompts = _read_prompts(prompt, prompts_file)
-    if url is not None:
-        # The remote path: the serving engineer's client goes here (same prompts, params, output).
-        raise UserError("--url needs the serving client, which is not built yet; run without --url")
+    if url is not None:  # the streaming gRPC client (router/client.py, no torch)
+        from router.client import print_generations
+
+        try:
+            print_generations(url, prompts, chat=chat, json_output=json_output, temperature=temperature,
+                              top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens)
+        except ConnectionError as e:
+            raise UserError(str(e)) from None
+        return
     outputs = _generate_offline(model, prompts, params, chat)
     for out in outputs:
         if json_output:
