@@ -238,7 +238,7 @@ def _cancel_round(serving, stage: str, n: int, concurrency: int = 5) -> dict[str
         if stage in ("transfer", "decode"):
             async for m in call:  # transfer: right after the first token (KV handoff); decode: later
                 received += len(m.token_ids)
-                if received >= (1 if stage == "transfer" else rng.randint(2, 20)):
+                if received >= (1 if stage == "transfer" else rng.randint(2, 10)):
                     break
         call.cancel()
         return "cancelled"
