@@ -184,7 +184,8 @@ class Scheduler:
             num_tokens = min(req.num_tokens - computed, plan.budget)
             if num_tokens < req.num_tokens - computed and not self.config.enable_chunked_prefill:
                 return
-            if self.bm.allocate(req.request_id, computed + num_tokens, prefix, use_watermark=True) is None:
+            # the watermark keeps room for running requests to grow; an idle engine admits anything that fits
+            if self.bm.allocate(req.request_id, computed + num_tokens, prefix, use_watermark=bool(self.running)) is None:
                 return  # FCFS: nobody overtakes the head of the queue
             self._admit(req, computed, first=req.state == RequestState.WAITING)
             plan.add(req, num_tokens, self.bm.block_table(req.request_id))

@@ -1,0 +1,193 @@
+"""AsyncEngine: the asyncio face of LLMEngine, used by the workers and the aggregated server.
+
+Every LLMEngine call (add, step, abort, reservations) runs in one dedicated worker thread, so
+calls are serialized without locks and the event loop is never blocked by the model. A
+background task keeps stepping while there is work and routes each RequestOutput to the
+request's queue; ``generate`` / ``generate_remote`` are async generators over those queues.
+A consumer that stops iterating (client disconnect, cancellation) aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Callable, Sequence
+
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError
+from engine.llm_engine import LayerHook, LLMEngine
+from engine.outputs import EngineStats, RequestOutput
+from engine.sampling_params import SamplingParams
+
+_IDLE_POLL_S = 0.02  # re-check when work exists but nothing could be scheduled (e.g. held KV)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-engine")
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._loop_task: asyncio.Task | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._dead: BaseException | None = None
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig, **engine_kwargs) -> "AsyncEngine":
+        """Load the model and allocate the KV cache now (blocking); the step loop starts with
+        the first request."""
+        return cls(LLMEngine(cfg, **engine_kwargs))
+
+    # ---- requests ----------------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
+                       hold_kv: bool = False) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; the last one has finished=True. Raises InvalidRequest,
+        CapacityError, KeyError (id in use) or EngineDeadError on the first iteration.
+        With hold_kv, the final output's kv_block_ids stay held until release_kv(request_id)."""
+        queue = self._open(request_id)
+        try:
+            await self._call(self.engine.add_request, request_id, prompt, params, hold_kv=hold_kv)
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
+        self._kick()
+        async for out in self._drain(request_id, queue):
+            yield out
+
+    async def reserve_remote(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """Decode side: allocate blocks for the prompt's incoming KV (no compute). Returns their
+        ids. Raises CapacityError (nothing reserved) if they do not fit, InvalidRequest, KeyError."""
+        self._check_alive()
+        return await self._call(self.engine.reserve_remote, request_id, prompt_token_ids, params)
+
+    async def generate_remote(self, request_id: str, first_token_id: int) -> AsyncIterator[RequestOutput]:
+        """Decode side, once every KV layer landed: decode on from ``first_token_id`` (which is
+        not re-emitted) and stream the outputs. Raises KeyError if nothing is reserved."""
+        queue = self._open(request_id)
+        try:
+            early = await self._call(self.engine.start_remote, request_id, first_token_id)
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
+        for out in early:
+            queue.put_nowait(out)
+        self._kick()
+        async for out in self._drain(request_id, queue):
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        """Free everything the request holds, at any state (queued, running, reserved, held).
+        Idempotent; a live stream of it ends with finish_reason "abort"."""
+        if self._dead is not None or self._closed:
+            return
+        out = await self._call(self.engine.abort, request_id)
+        queue = self._queues.get(request_id)
+        if out is not None and queue is not None:
+            queue.put_nowait(out)
+        self._kick()
+
+    async def release_kv(self, request_id: str) -> None:
+        """Free the blocks a finished hold_kv request still holds (full ones may stay cached)."""
+        if self._dead is None and not self._closed:
+            await self._call(self.engine.release_kv, request_id)
+            self._kick()
+
+    def set_layer_hook(self, hook: LayerHook | None) -> None:
+        """hook(layer, chunks) is called in the engine thread right after each layer of each
+        forward has written its K/V; it must not block for long."""
+        self.engine.layer_hook = hook
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def shutdown(self) -> None:
+        """Stop the loop; every open stream ends with finish_reason "abort"."""
+        self._closed = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        for rid in list(self._queues):
+            out = await self._call(self.engine.abort, rid)
+            if out is not None:
+                self._queues[rid].put_nowait(out)
+        self._executor.shutdown(wait=True)
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop stopped: {self._dead!r}")
+        if self._closed:
+            raise EngineDeadError("engine is shut down")
+
+    def _open(self, request_id: str) -> asyncio.Queue[RequestOutput]:
+        self._check_alive()
+        if request_id in self._queues:
+            raise KeyError(f"request id {request_id!r} is already streaming")
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[request_id] = queue
+        return queue
+
+    async def _drain(self, request_id: str, queue: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished and self._dead is None and not self._closed:
+                # the consumer went away: free the request (shielded from a pending cancel)
+                await asyncio.shield(self._call(self.engine.abort, request_id))
+                self._kick()
+
+    async def _call(self, fn: Callable, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    def _kick(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            if self._dead is None and not self._closed:
+                self._wakeup = asyncio.Event()
+                self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="pdserve-engine-loop")
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def _run(self) -> None:
+        assert self._wakeup is not None
+        while True:
+            self._wakeup.clear()
+            if not self.engine.has_unfinished():
+                await self._wakeup.wait()
+                continue
+            try:
+                outputs = await self._call(self.engine.step)
+            except Exception as e:  # a model/runtime failure: fail every request, refuse new ones
+                self._dead = e
+                for out in await self._call(self.engine.fail_all):
+                    self._deliver(out)
+                return
+            self._deliver_all(outputs)
+            if not self.engine.last_step_ran:  # work exists but none fits now (e.g. held KV)
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), _IDLE_POLL_S)
+                except asyncio.TimeoutError:
+                    pass
+
+    def _deliver_all(self, outputs: Sequence[RequestOutput]) -> None:
+        for out in outputs:
+            self._deliver(out)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        queue = self._queues.get(out.request_id)
+        if queue is not None:
+            queue.put_nowait(out)
+
+
+_ids = itertools.count()
+
+
+def random_request_id(prefix: str = "req") -> str:
+    """A process-unique request id (for callers that have none)."""
+    return f"{prefix}-{next(_ids)}"

@@ -1,0 +1,219 @@
+"""LLMEngine: the synchronous core of continuous batching. One ``step()`` is
+
+    scheduler.schedule() -> plan
+    ModelRunner.forward(plan's chunks, layer_hook) -> logits
+    Sampler.sample(logits, params, per-request generators) -> tokens
+    scheduler.update(plan, result) -> requests with new tokens
+    detokenize (stop strings) -> RequestOutput per request
+
+Not thread-safe: call it from one thread (AsyncEngine runs it in a single worker thread).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from engine.batch import SeqChunk
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import ChunkInfo, EngineStats, RequestOutput, Usage
+from engine.plan import SchedulePlan, StepResult
+from engine.request import Request, RequestState
+from engine.sampling_params import InvalidRequest, SamplingParams
+from engine.scheduler import Scheduler
+
+LayerHook = Callable[[int, list[ChunkInfo]], None]
+
+
+@dataclass
+class _Stream:
+    """Per-request output state: what was already sent, the detokenizer, the sampler's generator."""
+
+    detokenizer: IncrementalDetokenizer
+    generator: object | None
+    num_sent: int = 0
+
+
+class LLMEngine:
+    """runner / tokenizer: pass them to share a loaded model (tests, benchmarks); by default
+    they are loaded from ``config.model``. With a shared runner, ``config.cache.num_blocks`` (if
+    set) limits the engine to that many of the runner's blocks. track_kv_waste: sample allocated-vs-filled KV slots
+    every step (benchmarks)."""
+
+    def __init__(self, config: EngineConfig, *, runner=None, tokenizer=None, track_kv_waste: bool = False) -> None:
+        import torch
+
+        from engine.model_loader import load_tokenizer
+        from engine.model_runner import ModelRunner
+        from engine.sampler import Sampler, make_generator
+
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        cache = config.cache
+        self.config = config
+        self.runner = runner or ModelRunner(config.model, block_size=cache.block_size, num_blocks=cache.num_blocks,
+                                            kv_cache_memory_bytes=cache.resolved_memory_bytes(),
+                                            dtype=getattr(torch, config.dtype), device=config.device)
+        self.model_config = self.runner.model_config
+        self.tokenizer = tokenizer or load_tokenizer(self.model_config.path)
+        num_blocks = self.runner.num_blocks
+        if runner is not None and cache.num_blocks is not None:
+            num_blocks = min(num_blocks, cache.num_blocks)  # manage a part of a shared runner's cache
+        self.block_manager = BlockManager(num_blocks, self.runner.block_size, watermark=cache.watermark,
+                                          enable_prefix_caching=cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, max_model_len=self.model_config.max_model_len,
+                                   eos_token_ids=self.model_config.eos_token_ids)
+        self.sampler = Sampler()
+        self._make_generator = make_generator
+        self._streams: dict[str, _Stream] = {}
+        self.layer_hook: LayerHook | None = None
+        self.num_steps = 0
+        self.last_step_ran = False
+        self.track_kv_waste = track_kv_waste
+        self.kv_waste_samples: list[float] = []
+        self.kv_usage_peak = 0.0
+
+    # ---- requests ----------------------------------------------------------------------------
+    def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
+        """Token ids of a prompt; with chat=True as one user message plus the generation prompt."""
+        if chat:
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                     add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, *,
+                    hold_kv: bool = False) -> Request:
+        """Queue a request. Raises InvalidRequest (empty/too long, does not fit the cache),
+        CapacityError (queue full) or KeyError (request id in use)."""
+        req = Request(request_id, self._prompt_ids(prompt), params, hold_kv=hold_kv)
+        self.scheduler.add(req)
+        self._open_stream(req, req.prompt_token_ids)
+        return req
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise InvalidRequest("prompt", "is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequest("prompt", f"token ids must be in [0, {vocab})")
+        return ids
+
+    def _open_stream(self, req: Request, context: list[int], num_sent: int = 0) -> None:
+        p = req.params
+        detok = IncrementalDetokenizer(self.tokenizer, context, p.stop, p.skip_special_tokens)
+        self._streams[req.request_id] = _Stream(detok, self._make_generator(p), num_sent)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Free everything the request holds at any state (idempotent). Returns its final output
+        (finish_reason "abort") if it was still streaming, else None."""
+        req = self.scheduler.abort(request_id)
+        if req is None or request_id not in self._streams:
+            return None
+        self._streams.pop(request_id)
+        return RequestOutput(request_id, [], "", True, "abort", self._usage(req))
+
+    def release_kv(self, request_id: str) -> None:
+        self.scheduler.release_kv(request_id)
+
+    def reserve_remote(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """Decode side: blocks for the prompt's KV (written from outside); state WAITING_FOR_REMOTE_KV.
+        Raises CapacityError / InvalidRequest / KeyError with nothing changed."""
+        req = Request(request_id, self._prompt_ids(prompt_token_ids), params)
+        return self.scheduler.add_remote(req)
+
+    def start_remote(self, request_id: str, first_token_id: int) -> list[RequestOutput]:
+        """The prompt's KV landed: decode on from ``first_token_id`` (not re-emitted). Returns a
+        final output at once if the request already ends there (max_tokens == 1, EOS)."""
+        req = self.scheduler.remote_kv_ready(request_id, first_token_id)
+        self._open_stream(req, req.prompt_token_ids + [first_token_id], num_sent=1)
+        return [self._output(req)] if req.is_finished else []
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample, apply. Returns one output per request that advanced."""
+        plan = self.scheduler.schedule()
+        self.last_step_ran = not plan.is_empty
+        if plan.is_empty:
+            return []
+        self.kv_usage_peak = max(self.kv_usage_peak, self.block_manager.usage)
+        result = self._execute(plan)
+        updated = self.scheduler.update(plan, result)
+        self.num_steps += 1
+        self._sample_kv_metrics()
+        return [self._output(req, result.logprobs.get(req.request_id)) for req in updated]
+
+    def _execute(self, plan: SchedulePlan) -> StepResult:
+        chunks = [SeqChunk(c.token_ids, c.start_pos, c.block_ids, c.num_logits) for c in plan.chunks]
+        logits = self.runner.forward(chunks, self._layer_hook_for(plan))
+        sampling = [c.request_id for c in plan.chunks if c.num_logits]
+        if not sampling:
+            return StepResult()
+        reqs = [self.scheduler.requests[rid] for rid in sampling]
+        out = self.sampler.sample(logits, [r.params for r in reqs], [self._streams[rid].generator for rid in sampling])
+        logprobs = {rid: lp for rid, lp in zip(sampling, out.logprobs) if lp is not None} if out.logprobs else {}
+        return StepResult(dict(zip(sampling, out.token_ids)), logprobs)
+
+    def _layer_hook_for(self, plan: SchedulePlan) -> Callable[[int], None] | None:
+        hook = self.layer_hook
+        if hook is None:
+            return None
+        bs = self.block_manager.block_size
+        infos = [ChunkInfo(c.request_id, tuple(c.new_block_ids(bs)), c.start_pos, c.num_tokens, c.is_last_chunk)
+                 for c in plan.chunks if not c.is_padding]
+        return lambda layer: hook(layer, infos)
+
+    def _output(self, req: Request, logprobs: object | None = None) -> RequestOutput:
+        stream = self._streams[req.request_id]
+        new_ids = req.output_token_ids[stream.num_sent:]
+        stream.num_sent = len(req.output_token_ids)
+        delta = stream.detokenizer.step(new_ids)
+        if stream.detokenizer.stopped and not req.is_finished:
+            self.scheduler.finish(req.request_id, RequestState.FINISHED_STOPPED)
+        reason = None
+        if req.is_finished:
+            delta += stream.detokenizer.finish()
+            reason = "stop" if stream.detokenizer.stopped else req.state.finish_reason
+            self._streams.pop(req.request_id)
+        held = list(self.block_manager.block_table(req.request_id)) if req.is_finished and req.hold_kv else None
+        return RequestOutput(req.request_id, new_ids, delta, req.is_finished, reason, self._usage(req), held,
+                             [logprobs] if logprobs is not None else None)
+
+    @staticmethod
+    def _usage(req: Request) -> Usage:
+        return Usage(req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_tokens)
+
+    # ---- failure -----------------------------------------------------------------------------
+    def fail_all(self) -> list[RequestOutput]:
+        """End every request with finish_reason "error" and free its blocks (after a failed step)."""
+        outputs = []
+        for rid in list(self.scheduler.requests):
+            req = self.scheduler.requests[rid]
+            if not req.is_finished:
+                self.scheduler.finish(rid, RequestState.FINISHED_ERROR)
+            self.scheduler.abort(rid)
+            if self._streams.pop(rid, None) is not None:
+                outputs.append(RequestOutput(rid, [], "", True, "error", self._usage(req)))
+        return outputs
+
+    # ---- metrics -----------------------------------------------------------------------------
+    def _sample_kv_metrics(self) -> None:
+        if self.track_kv_waste:
+            allocated, filled = self.scheduler.kv_slots()
+            if allocated:
+                self.kv_waste_samples.append((allocated - filled) / allocated)
+
+    def stats(self) -> EngineStats:
+        s, bm = self.scheduler, self.block_manager
+        return EngineStats(
+            kv_blocks_total=bm.num_blocks, kv_blocks_used=bm.num_used_blocks, kv_usage=bm.usage,
+            running=len(s.running), waiting=len(s.waiting), waiting_for_remote_kv=len(s.remote), held_kv=len(s.held),
+            num_preemptions=s.num_preemptions, prefix_cache_hit_tokens=bm.prefix_hit_tokens,
+            prefix_cache_query_tokens=bm.prefix_query_tokens, num_evictions=bm.num_evictions,
+            num_steps=self.num_steps, block_size=bm.block_size)
