@@ -161,6 +161,8 @@ class TransferHandle:
     Backends subclass it and override ``_progress`` / ``_request_cancel`` / ``_on_timeout``.
     """
 
+    max_poll_interval_s = _POLL_MAX_S  # how long ``wait`` may sleep between polls
+
     def __init__(self, peer: str, notify: str, timeout_s: float, nbytes: int) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -199,7 +201,7 @@ class TransferHandle:
         sleep = _POLL_S
         while not self.poll().is_final and time.monotonic() < end:
             self._final.wait(sleep)
-            sleep = min(sleep * 2, _POLL_MAX_S)
+            sleep = min(sleep * 2, self.max_poll_interval_s)
         return self._state
 
     async def wait_async(self, timeout_s: float | None = None) -> TransferState:
@@ -208,7 +210,7 @@ class TransferHandle:
         sleep = _POLL_S
         while not self.poll().is_final and time.monotonic() < end:
             await asyncio.sleep(sleep)
-            sleep = min(sleep * 2, _POLL_MAX_S)
+            sleep = min(sleep * 2, self.max_poll_interval_s)
         return self._state
 
     def cancel(self) -> TransferState:

@@ -29,7 +29,7 @@ from engine.kv_cache import PagedKVCache
 from kv_transfer.base import (ABORTED_PREFIX, CompatKey, IncompatiblePeer, KVTransport,
                               TransferHandle, TransferState, TransportUnavailable, UnknownPeer, check_cache,
                               decode_metadata, encode_metadata)
-from kv_transfer.plan import Desc, byte_offset, check_blocks, check_layers, coalesce, plan
+from kv_transfer.plan import check_blocks, check_layers, coalesce_arrays
 
 
 def _import_nixl():
@@ -107,24 +107,27 @@ class NixlTransport(KVTransport):
               notify: str, timeout_s: float) -> TransferHandle:
         remote = self._peer(peer)
         spec = self.cache.spec
-        check_blocks(src_blocks, dst_blocks, spec.num_blocks, remote["num_blocks"])
-        descs = plan(check_layers(layers, spec.num_layers), coalesce(src_blocks, dst_blocks))
-        return self._transfer("WRITE", peer, descs, notify, timeout_s)
+        src_blocks, dst_blocks = check_blocks(src_blocks, dst_blocks, spec.num_blocks, remote["num_blocks"])
+        return self._transfer("WRITE", peer, check_layers(layers, spec.num_layers),
+                              coalesce_arrays(src_blocks, dst_blocks), notify, timeout_s)
 
     def read(self, peer: str, remote_blocks: Sequence[int], local_blocks: Sequence[int], layers: Sequence[int],
              timeout_s: float, notify: str = "") -> TransferHandle:
         remote = self._peer(peer)
         spec = self.cache.spec
-        check_blocks(local_blocks, remote_blocks, spec.num_blocks, remote["num_blocks"])
-        descs = plan(check_layers(layers, spec.num_layers), coalesce(local_blocks, remote_blocks))
-        return self._transfer("READ", peer, descs, notify, timeout_s)
+        local_blocks, remote_blocks = check_blocks(local_blocks, remote_blocks, spec.num_blocks, remote["num_blocks"])
+        return self._transfer("READ", peer, check_layers(layers, spec.num_layers),
+                              coalesce_arrays(local_blocks, remote_blocks), notify, timeout_s)
 
-    def _transfer(self, op: str, peer: str, descs: list[Desc], notify: str, timeout_s: float) -> "NixlHandle":
-        """``descs``: ``src`` is the local block, ``dst`` the remote one, whatever the direction."""
+    def _transfer(self, op: str, peer: str, layers: list[int], runs: tuple[np.ndarray, np.ndarray, np.ndarray],
+                  notify: str, timeout_s: float) -> "NixlHandle":
+        """``runs``: (local starts, remote starts, counts), whatever the direction."""
         spec, remote = self.cache.spec, self._peers[peer]
-        local = _desc_array(descs, self.cache.data.data_ptr(), spec.num_blocks, spec.block_bytes, 0, lambda d: d.src)
-        far = _desc_array(descs, remote["base"], remote["num_blocks"], spec.block_bytes, remote["device_id"],
-                          lambda d: d.dst)
+        local_starts, remote_starts, counts = runs
+        local = _desc_array(layers, local_starts, counts, self.cache.data.data_ptr(), spec.num_blocks,
+                            spec.block_bytes, max(self.cache.data.get_device(), 0))
+        far = _desc_array(layers, remote_starts, counts, remote["base"], remote["num_blocks"], spec.block_bytes,
+                          remote["device_id"])
         handle = NixlHandle(self, peer, notify, timeout_s, int(local[:, 1].sum()))
         mem = "DRAM" if self.cache.data.device.type == "cpu" else "VRAM"
         with self._lock:
@@ -167,17 +170,19 @@ class NixlTransport(KVTransport):
                 self._reg = None
 
 
-def _desc_array(descs: list[Desc], base: int, num_blocks: int, block_bytes: int, device_id: int, block_of) -> np.ndarray:
-    """Nx3 uint64 (address, length, device id) descriptors for NIXL."""
-    out = np.empty((len(descs), 3), dtype=np.uint64)
-    for i, d in enumerate(descs):
-        out[i] = (base + byte_offset(num_blocks, block_bytes, d.layer, d.kv, block_of(d)), d.count * block_bytes,
-                  device_id)
-    return out
+def _desc_array(layers: list[int], starts: np.ndarray, counts: np.ndarray, base: int, num_blocks: int,
+                block_bytes: int, device_id: int) -> np.ndarray:
+    """Nx3 uint64 (address, length, device id) NIXL descriptors, layer-major, K then V, one per run."""
+    lkv = (np.asarray(layers, dtype=np.int64)[:, None] * 2 + np.arange(2)[None, :]).reshape(-1)
+    addr = base + (lkv[:, None] * num_blocks + starts[None, :]) * block_bytes
+    length = np.broadcast_to(counts[None, :] * block_bytes, addr.shape)
+    return np.stack([addr.reshape(-1), length.reshape(-1), np.full(addr.size, device_id)], axis=1).astype(np.uint64)
 
 
 class NixlHandle(TransferHandle):
-    """A NIXL transfer request; progresses when polled (no progress thread)."""
+    """A NIXL transfer request; progresses when polled (no progress thread), so ``wait`` polls often."""
+
+    max_poll_interval_s = 0.0002
 
     def __init__(self, transport: NixlTransport, peer: str, notify: str, timeout_s: float, nbytes: int) -> None:
         super().__init__(peer, notify, timeout_s, nbytes)

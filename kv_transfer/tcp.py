@@ -27,6 +27,7 @@ from kv_transfer.session import FrameStream, PeerSession, control
 from kv_transfer.wire import HEADER, Header, Kind, ProtocolError
 
 _STREAM_LIMIT = 4 << 20
+_SLICE = 1 << 20  # payloads move in 1 MiB slices: asyncio's buffers stay small (no O(n^2) front-trimming)
 
 
 class TcpTransport(FramedTransport):
@@ -112,6 +113,7 @@ class TcpTransport(FramedTransport):
 
     def _start_connection(self, peer_id: str, peer_num_blocks: int, reader: asyncio.StreamReader,
                           writer: asyncio.StreamWriter) -> None:
+        writer.transport.set_write_buffer_limits(high=2 * _SLICE)
         session = self._new_session(peer_id, peer_num_blocks)
         conn = _Connection(session, reader, writer, self._spawn)
         session.send = lambda frames: self._loop.call_soon_threadsafe(self._spawn, conn.send_stream(frames))
@@ -172,8 +174,10 @@ class _Connection:
                     return
                 dest = self.session.on_header(h)
                 if dest is not None:
-                    data = await self.reader.readexactly(h.body_len)
-                    dest.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+                    out = dest.numpy()
+                    for off in range(0, h.body_len, _SLICE):
+                        data = await self.reader.readexactly(min(_SLICE, h.body_len - off))
+                        out[off:off + len(data)] = np.frombuffer(data, dtype=np.uint8)
                     continue
                 body = await self.reader.readexactly(h.body_len) if h.body_len else b""
                 for stream in self.session.on_frame(h, body):
@@ -194,8 +198,12 @@ async def _send(writer: asyncio.StreamWriter, frame) -> None:
     header, payload = frame
     writer.write(header.pack())
     if isinstance(payload, torch.Tensor):
-        writer.write(memoryview(payload.numpy()))  # straight from the cache's memory
-    elif payload:
+        view = memoryview(payload.numpy())  # straight from the cache's memory
+        for off in range(0, len(view), _SLICE):
+            writer.write(view[off:off + _SLICE])
+            await writer.drain()
+        return
+    if payload:
         writer.write(payload)
     await writer.drain()
 
