@@ -12,6 +12,8 @@ Local (agg mode, or a short prompt): D.Generate does prefill and decode on one w
 Whatever ends the request early (client cancel or disconnect, deadline, a stop string seen by
 the router, a failed leg), every leg still open gets an Abort, sent in the background so that
 cancellation of the caller cannot skip it; workers free everything on Abort and it is idempotent.
+The prefill leg is aborted first (it returns once none of its writes can still land), then the
+decode leg, so reserved blocks are never reused while a write into them is in flight.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ ABORT_TIMEOUT_S = 30.0
 class FlowConfig:
     mode: str = "disagg"                 # "disagg" | "agg"
     local_prefill_threshold: int = 0     # prompts shorter than this skip the prefill worker
-    reservation_lease_s: float = 30.0    # D frees a reservation whose Decode never starts
+    reservation_lease_s: float = 120.0   # D frees a reservation whose Decode never starts (> prefill queueing + transfer timeout)
     hold_lease_s: float = 30.0           # P frees its hold if no Release comes
 
 
@@ -84,9 +86,8 @@ class Orchestrator:
                     yield tokens
         finally:
             d.inflight -= 1
-            if not legs.finished:
-                for w in legs.open.values():
-                    self._spawn(self._abort(w, request_id))
+            if not legs.finished and legs.open:
+                self._spawn(self._abort_legs(list(legs.open.values()), request_id))
 
     async def drain(self) -> None:
         """Wait for background aborts and releases (shutdown, tests)."""
@@ -181,6 +182,13 @@ class Orchestrator:
         finally:
             call.cancel()
         raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"{leg} worker {w.id} ended the stream without finishing")
+
+    async def _abort_legs(self, workers: list[WorkerHandle], request_id: str) -> None:
+        """Prefill legs first: once a prefill worker has answered an Abort, none of its writes can
+        still land, so the decode worker may then reuse the blocks it frees."""
+        senders = [w for w in workers if w.endpoint.role == "prefill"]
+        await asyncio.gather(*(self._abort(w, request_id) for w in senders))
+        await asyncio.gather(*(self._abort(w, request_id) for w in workers if w not in senders))
 
     async def _abort(self, w: WorkerHandle, request_id: str) -> None:
         try:
