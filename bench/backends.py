@@ -55,10 +55,15 @@ class _Stream:
     st: float
     last: float = 0.0
     ttft_s: float | None = None
+    first_event_s: float | None = None  # first chunk of any kind: the only timing of a text-less reply
     chunks: int = 0
     usage: dict[str, Any] | None = None
     itl_s: list[float] = field(default_factory=list)
     parts: list[str] = field(default_factory=list)
+
+    def on_event(self) -> None:
+        if self.first_event_s is None:
+            self.first_event_s = time.perf_counter() - self.st
 
     def on_text(self, text: str) -> None:
         now = time.perf_counter()
@@ -72,12 +77,17 @@ class _Stream:
 
 
 def finish_record(rec: RequestRecord, s: _Stream, counter: OutputCounter) -> RequestRecord:
-    """Fill a successful record from a completed stream (usage preferred for token counts)."""
+    """Fill a successful record from a completed stream (usage preferred for token counts).
+
+    A reply with no text at all (e.g. EOS as the first token) still completed: its TTFT is the
+    arrival of its first chunk. A stream without a single chunk is a failure.
+    """
     rec.e2el_s = time.perf_counter() - s.st
-    if s.ttft_s is None:
-        rec.error = "the stream ended without any output text"
+    if s.first_event_s is None:
+        rec.error = "the stream ended without any output"
         return rec
-    rec.success, rec.ttft_s, rec.itl_s = True, s.ttft_s, s.itl_s
+    rec.success, rec.itl_s = True, s.itl_s
+    rec.ttft_s = s.ttft_s if s.ttft_s is not None else s.first_event_s
     rec.generated_text = "".join(s.parts)
     if s.usage and s.usage.get("completion_tokens") is not None:
         rec.output_tokens, rec.output_tokens_source = int(s.usage["completion_tokens"]), "usage"
@@ -145,6 +155,7 @@ class OpenAICompletionsBackend:
             rec.error = f"stream error: {json.dumps(event['error'])[:300]}"
             return False
         if choices := event.get("choices"):
+            s.on_event()
             if text := choices[0].get("text"):
                 s.on_text(text)
         if event.get("usage"):

@@ -65,6 +65,7 @@ class PdserveGrpcBackend:
         num_token_ids = 0
         try:
             async for resp in self._stub.Generate(request, timeout=self._timeout_s):
+                s.on_event()
                 if resp.text:
                     s.on_text(resp.text)
                 num_token_ids += len(resp.token_ids)

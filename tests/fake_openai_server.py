@@ -6,7 +6,9 @@ A real HTTP server (FastAPI + uvicorn on 127.0.0.1) that answers ``POST /v1/comp
 then a usage chunk (when ``stream_options.include_usage``) and ``data: [DONE]``.
 
 Per-request overrides inside the prompt: ``[[ttft=200]]``, ``[[itl=30]]``, ``[[fail=500]]``
-(answer HTTP 500), ``[[fail=midstream]]`` (two tokens, then an error event).
+(answer HTTP 500), ``[[fail=midstream]]`` (two tokens, then an error event), ``[[fail=eos]]``
+(a normal reply whose only token is EOS: one chunk with empty text), ``[[fail=empty]]`` (no chunk
+at all, just ``[DONE]``).
 ``GET /stats`` reports requests seen, in flight now, and the most ever in flight at once;
 ``POST /reset`` zeroes them.
 
@@ -92,15 +94,18 @@ def create_app(default: Schedule):
 
 async def _stream(body: dict, sched: Schedule, t0: float, include_usage: bool, counters: Counters):
     n = int(body.get("max_tokens") or 16)
+    if sched.fail == "eos":  # EOS as the first token: one chunk, no text
+        n = 1
     try:
-        for i in range(n):
+        for i in range(n if sched.fail != "empty" else 0):
             due = t0 + (sched.ttft_ms + i * sched.itl_ms) / 1000.0
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
             if sched.fail == "midstream" and i == 2:
                 yield _chunk({"error": {"message": "injected mid-stream failure", "code": 500}})
                 return  # no [DONE]: the stream just ends
+            text, finish = ("", "stop") if sched.fail == "eos" else (f" tok{i}", "length" if i == n - 1 else None)
             yield _chunk({"id": "cmpl-fake", "object": "text_completion", "model": MODEL,
-                          "choices": [{"index": 0, "text": f" tok{i}", "finish_reason": "length" if i == n - 1 else None}]})
+                          "choices": [{"index": 0, "text": text, "finish_reason": finish}]})
         if include_usage:
             usage = {"prompt_tokens": len(body["prompt"].split()), "completion_tokens": n,
                      "total_tokens": len(body["prompt"].split()) + n}

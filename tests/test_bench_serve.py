@@ -28,7 +28,9 @@ from bench.serve import BenchSpec, run_benchmark
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TTFT_MS, ITL_MS = 60.0, 15.0
-OVERHEAD_MS = 25.0  # allowed client-side excess over the server's schedule (HTTP, parsing, wake-up)
+# Allowed excess of a median over the server's schedule (loopback HTTP, parsing, wake-up): about
+# 5 ms on an idle machine, up to ~30 ms when other engineers' jobs load these 2 cores 5x over.
+OVERHEAD_MS = 50.0
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 pytestmark = pytest.mark.timeout(120)
 
@@ -107,7 +109,7 @@ def test_measured_ttft_itl_and_counts_match_the_schedule(server, tmp_path):
     assert abs(np.median([1000 * np.mean(r.itl_s) for r in records]) - ITL_MS) <= 2.0
     assert abs(np.median([1000 * r.tpot_s for r in records]) - ITL_MS) <= 2.0
     # After the last text chunk only the usage chunk and [DONE] follow.
-    assert np.median([1000 * (r.e2el_s - r.ttft_s - sum(r.itl_s)) for r in records]) <= 5.0
+    assert np.median([1000 * (r.e2el_s - r.ttft_s - sum(r.itl_s)) for r in records]) <= 10.0
     assert TTFT_MS <= doc["median_ttft_ms"] <= TTFT_MS + OVERHEAD_MS
     assert abs(doc["median_itl_ms"] - ITL_MS) <= 3.0
     assert doc["median_e2el_ms"] >= TTFT_MS + (n_tokens - 1) * ITL_MS
@@ -220,6 +222,18 @@ def test_failed_requests_are_counted_and_excluded_from_latency(server, tmp_path)
     assert doc["slo_attainment"] == pytest.approx(3 / 5)
     errors = sorted(r["error"] for r in doc["requests"] if not r["success"])
     assert errors[0].startswith("HTTP 500") and errors[1].startswith("stream error")
+
+
+def test_a_text_less_reply_completes_and_an_empty_stream_fails(server, tmp_path):
+    prompts = ["[[fail=eos]] stops at once", "[[fail=empty]] nothing"]
+    data = DatasetConfig("sharegpt", prompts_file(tmp_path, prompts), num_prompts=2, max_tokens=4)
+    out = run(spec(server, dataset=data))
+    sent = load_requests(data, None)
+    by_prompt = {sent[r.index].prompt: r for r in out.records[0]}
+    eos, empty = by_prompt[prompts[0]], by_prompt[prompts[1]]
+    assert eos.success and eos.output_tokens == 1 and eos.itl_s == [] and 1000 * eos.ttft_s >= TTFT_MS
+    assert not empty.success and empty.error == "the stream ended without any output"
+    assert (out.doc["completed"], out.doc["failed"]) == (1, 1)
 
 
 def test_a_request_past_its_timeout_fails(server, tmp_path):
