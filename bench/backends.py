@@ -14,7 +14,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from bench.datasets import SampleRequest
 from bench.metrics import RequestRecord
@@ -31,21 +31,6 @@ class Backend(Protocol):
 
     async def send(self, index: int, req: SampleRequest, t0: float) -> RequestRecord: ...
     async def close(self) -> None: ...
-
-
-class OutputCounter:
-    """Counts output tokens when the target reports no usage: re-tokenizes the text with the
-    target model's tokenizer (loaded on first need), else one token per streamed chunk."""
-
-    def __init__(self, load_tokenizer: Callable[[], Any]) -> None:
-        self._load = load_tokenizer
-
-    def count(self, text: str, num_chunks: int) -> tuple[int, str]:
-        """(output tokens, source) with source "tokenizer" or "chunks"."""
-        tok = self._load()
-        if tok is None:
-            return num_chunks, "chunks"
-        return len(tok.encode(text, add_special_tokens=False)), "tokenizer"
 
 
 @dataclass
@@ -76,8 +61,10 @@ class _Stream:
         self.parts.append(text)
 
 
-def finish_record(rec: RequestRecord, s: _Stream, counter: OutputCounter) -> RequestRecord:
-    """Fill a successful record from a completed stream (usage preferred for token counts).
+def finish_record(rec: RequestRecord, s: _Stream) -> RequestRecord:
+    """Fill a successful record from a completed stream. Output tokens: the target's usage, else
+    the number of text chunks, marked "chunks" for ``count_output_tokens`` to redo after the run
+    (tokenizing here would stall the event loop while other requests are being timed).
 
     A reply with no text at all (e.g. EOS as the first token) still completed: its TTFT is the
     arrival of its first chunk. A stream without a single chunk is a failure.
@@ -92,7 +79,7 @@ def finish_record(rec: RequestRecord, s: _Stream, counter: OutputCounter) -> Req
     if s.usage and s.usage.get("completion_tokens") is not None:
         rec.output_tokens, rec.output_tokens_source = int(s.usage["completion_tokens"]), "usage"
     else:
-        rec.output_tokens, rec.output_tokens_source = counter.count(rec.generated_text, s.chunks)
+        rec.output_tokens, rec.output_tokens_source = s.chunks, "chunks"
     if rec.prompt_len is None and s.usage and s.usage.get("prompt_tokens") is not None:
         rec.prompt_len = int(s.usage["prompt_tokens"])
     return rec
@@ -102,12 +89,12 @@ class OpenAICompletionsBackend:
     """Streaming ``/v1/completions`` client (one shared httpx.AsyncClient, no connection cap,
     so that only ``--max-concurrency`` limits concurrency)."""
 
-    def __init__(self, base_url: str, model: str, counter: OutputCounter, *, endpoint: str = "/v1/completions",
+    def __init__(self, base_url: str, model: str, *, endpoint: str = "/v1/completions",
                  ignore_eos: bool = False, include_usage: bool = True, temperature: float = 0.0,
                  timeout_s: float = 600.0) -> None:
         import httpx
 
-        self.model, self._counter, self._timeout_s = model, counter, timeout_s
+        self.model, self._timeout_s = model, timeout_s
         self._url = base_url.rstrip("/") + endpoint
         self._extra: dict[str, Any] = {"temperature": temperature}
         if include_usage:
@@ -140,7 +127,7 @@ class OpenAICompletionsBackend:
             return rec
         if rec.error:
             return rec
-        return finish_record(rec, s, self._counter)
+        return finish_record(rec, s)
 
     @staticmethod
     def _on_line(line: str, s: _Stream, rec: RequestRecord) -> bool:
@@ -180,17 +167,28 @@ async def discover_openai_model(base_url: str, timeout_s: float = 10.0) -> str:
         raise UserError(f"could not list models at {url} ({type(e).__name__}: {e}); pass --model NAME") from None
 
 
-async def create_backend(name: str, url: str, model: str | None, counter: OutputCounter, *,
+async def create_backend(name: str, url: str, model: str | None, *,
                          ignore_eos: bool, include_usage: bool, timeout_s: float) -> Backend:
     """The target ``name`` ("openai" or "pdserve-grpc") at ``url``; raises UserError for a bad name/url."""
     if name == "openai":
         if not url.startswith(("http://", "https://")):
             raise UserError(f"--url {url!r}: the openai backend needs http://HOST:PORT")
         model = model or await discover_openai_model(url)
-        return OpenAICompletionsBackend(url, model, counter, ignore_eos=ignore_eos,
+        return OpenAICompletionsBackend(url, model, ignore_eos=ignore_eos,
                                         include_usage=include_usage, timeout_s=timeout_s)
     if name == "pdserve-grpc":
         from bench.grpc_backend import PdserveGrpcBackend
 
-        return await PdserveGrpcBackend.connect(url, model, counter, ignore_eos=ignore_eos, timeout_s=timeout_s)
+        return await PdserveGrpcBackend.connect(url, model, ignore_eos=ignore_eos, timeout_s=timeout_s)
     raise UserError(f"unknown --backend {name!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def count_output_tokens(records: list[RequestRecord], tokenizer: Any) -> None:
+    """After the run: re-count the output of records without usage by tokenizing their text
+    (``tokenizer``: an HF tokenizer, or None to keep the one-token-per-chunk estimate)."""
+    if tokenizer is None:
+        return
+    for r in records:
+        if r.success and r.output_tokens_source == "chunks":
+            r.output_tokens = len(tokenizer.encode(r.generated_text, add_special_tokens=False))
+            r.output_tokens_source = "tokenizer"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from bench.backends import OutputCounter, _Stream, finish_record
+from bench.backends import _Stream, finish_record
 from bench.datasets import SampleRequest
 from bench.metrics import RequestRecord
 from engine.errors import UserError
@@ -19,15 +19,15 @@ from engine.errors import UserError
 class PdserveGrpcBackend:
     """Streaming client of pdserve's public gRPC API (one shared ``grpc.aio`` channel)."""
 
-    def __init__(self, channel, model: str, counter: OutputCounter, *, ignore_eos: bool, timeout_s: float) -> None:
+    def __init__(self, channel, model: str, *, ignore_eos: bool, timeout_s: float) -> None:
         from proto.pdserve.v1 import api_pb2_grpc
 
         self.model = model
         self._channel, self._stub = channel, api_pb2_grpc.GenerationStub(channel)
-        self._counter, self._ignore_eos, self._timeout_s = counter, ignore_eos, timeout_s
+        self._ignore_eos, self._timeout_s = ignore_eos, timeout_s
 
     @classmethod
-    async def connect(cls, url: str, model: str | None, counter: OutputCounter, *, ignore_eos: bool = False,
+    async def connect(cls, url: str, model: str | None, *, ignore_eos: bool = False,
                       timeout_s: float = 600.0) -> "PdserveGrpcBackend":
         """Open a channel to ``HOST:PORT``; without ``model``, take the first one ListModels names.
         Raises UserError if the server cannot be reached or lists no model."""
@@ -48,7 +48,7 @@ class PdserveGrpcBackend:
                 await channel.close()
                 raise UserError(f"{url} serves no model")
             model = listed.models[0].id
-        return cls(channel, model, counter, ignore_eos=ignore_eos, timeout_s=timeout_s)
+        return cls(channel, model, ignore_eos=ignore_eos, timeout_s=timeout_s)
 
     async def send(self, index: int, req: SampleRequest, t0: float) -> RequestRecord:
         import grpc
@@ -77,7 +77,7 @@ class PdserveGrpcBackend:
             return rec
         if s.usage is None and num_token_ids:
             s.usage = {"completion_tokens": num_token_ids}
-        return finish_record(rec, s, self._counter)
+        return finish_record(rec, s)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -118,7 +118,7 @@ def parse_rates(spec: str) -> list[float]:
 
 async def run_benchmark(spec: BenchSpec) -> BenchOutcome:
     """Run every configured rate against the target, one after another."""
-    from bench.backends import OutputCounter, create_backend
+    from bench.backends import count_output_tokens, create_backend
     from bench.datasets import load_requests
     from bench.load import run_load
     from bench.metrics import goodput_rate, summarize
@@ -126,7 +126,7 @@ async def run_benchmark(spec: BenchSpec) -> BenchOutcome:
     from bench.tokenizer import LazyTokenizer
 
     tok = LazyTokenizer(spec.tokenizer, spec.model)
-    target = await create_backend(spec.backend, spec.url, spec.model, OutputCounter(tok.get),
+    target = await create_backend(spec.backend, spec.url, spec.model,
                                   ignore_eos=spec.ignore_eos, include_usage=spec.include_usage,
                                   timeout_s=spec.timeout_s)
     tok.set_model(target.model)
@@ -138,6 +138,11 @@ async def run_benchmark(spec: BenchSpec) -> BenchOutcome:
         header = run_header(spec, target.model, len(requests))
         for load in spec.loads:
             result = await run_load(target, requests, load)
+            if any(r.output_tokens_source == "chunks" for r in result.records):  # the target sent no usage
+                count_output_tokens(result.records, tok.get())
+                if tok.get() is None:
+                    print("pdserve bench: the target reported no usage and no tokenizer is known: output tokens "
+                          "are counted as streamed chunks (pass --tokenizer PATH)", file=sys.stderr)
             figures = summarize(result.records, result.duration_s, spec.slo)
             docs.append(run_document(header, load.request_rate, figures, result.records))
             records.append(result.records)
