@@ -34,19 +34,25 @@ class LazyTokenizer:
             self._model = model
 
     def _load(self) -> Any:
-        from transformers import AutoTokenizer
-
         if self._path:
-            try:
-                return AutoTokenizer.from_pretrained(self._path)
-            except Exception as e:
-                raise UserError(f"--tokenizer {self._path}: cannot load a tokenizer ({type(e).__name__}: {e})") from None
+            return _auto_tokenizer(self._path)
         if self._model:
-            try:
-                from engine.model_loader import resolve_model
+            from engine.model_loader import resolve_model
 
-                return AutoTokenizer.from_pretrained(str(resolve_model(self._model)))
-            except Exception as e:
-                print(f"pdserve bench: no tokenizer for model {self._model!r} ({type(e).__name__}: {e}); "
+            try:
+                path = resolve_model(self._model)  # cheap for an unknown name: no transformers import
+            except UserError as e:
+                print(f"pdserve bench: no tokenizer for model {self._model!r} ({e}); "
                       "pass --tokenizer PATH for exact token counts", file=sys.stderr)
+                return None
+            return _auto_tokenizer(str(path))
         return None
+
+
+def _auto_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise UserError(f"cannot load a tokenizer from {path} ({type(e).__name__}: {e})") from None

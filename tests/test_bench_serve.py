@@ -325,40 +325,50 @@ def test_plots_are_valid_pngs(tmp_path):
         _assert_png(p)
 
 
-def test_cli_sweep_json_plots_and_compare(server, tmp_path):
-    data = prompts_file(tmp_path, ["alpha beta", "gamma delta", "[[ttft=300]] slow"])
-    base = [sys.executable, "-m", "deploy.cli", "bench"]
-    common = ["serve", "--url", server, "--dataset-path", str(data), "--num-prompts", "9", "--max-tokens", "4",
-              "--slo", "ttft:200,tpot:40", "--no-progress"]
-    single = subprocess.run(base + common + ["--request-rate", "inf", "--json", str(tmp_path / "a.json")],
-                            capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
-    assert single.returncode == 0, single.stderr
-    assert "Serving Benchmark Result" in single.stdout and "Median TTFT (ms):" in single.stdout
-    sweep = subprocess.run(base + common + ["--sweep-rates", "20,40", "--json", str(tmp_path / "b.json"),
-                                            "--plot", str(tmp_path / "plots")],
-                           capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
-    assert sweep.returncode == 0, sweep.stderr
-    assert "Goodput (highest rate with >= 90% SLO attainment)" in sweep.stdout
+def test_single_run_json_and_table(server, tmp_path):
+    from bench.report import run_table, write_json
 
+    data = DatasetConfig("sharegpt", prompts_file(tmp_path, ["alpha beta", "[[ttft=400]] slow"]), num_prompts=6,
+                         max_tokens=4)
+    out = run(spec(server, dataset=data, slo=SLO.parse("ttft:200,tpot:40")))
+    write_json(out.doc, tmp_path / "a.json")
     a = json.loads((tmp_path / "a.json").read_text())
     for key in ("completed", "failed", "request_throughput", "output_throughput", "request_goodput",
-                "slo_attainment", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
-                "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms"):
+                "slo_attainment", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
+                "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms",
+                "median_e2el_ms", "p99_e2el_ms"):
         assert key in a, key
-    assert a["completed"] == 9 and len(a["requests"]) == 9 and a["request_rate"] == "inf"
+    assert a["completed"] == 6 and len(a["requests"]) == 6 and a["request_rate"] == "inf"
+    assert a["slo"] == {"ttft_ms": 200.0, "tpot_ms": 40.0}
+    table = run_table(a)
+    assert "Successful requests:" in table and "Median TTFT (ms):" in table and "SLO attainment (%):" in table
+
+
+def test_cli_sweep_json_plots_and_compare(server, tmp_path):
+    data = prompts_file(tmp_path, ["alpha beta", "gamma delta", "[[ttft=400]] slow"])
+    base = [sys.executable, "-m", "deploy.cli", "bench"]
+    sweep = subprocess.run(base + ["serve", "--url", server, "--dataset-path", str(data), "--num-prompts", "9",
+                                   "--max-tokens", "4", "--slo", "ttft:200,tpot:40", "--no-progress",
+                                   "--sweep-rates", "40,20", "--json", str(tmp_path / "b.json"),
+                                   "--plot", str(tmp_path / "plots")],
+                           capture_output=True, text=True, cwd=REPO_ROOT, timeout=90)
+    assert sweep.returncode == 0, sweep.stderr
+    assert "Goodput (highest rate with >= 90% SLO attainment): - req/s" in sweep.stdout
     b = json.loads((tmp_path / "b.json").read_text())
     assert [r["request_rate"] for r in b["runs"]] == [20.0, 40.0]
-    assert all(r["slo_attainment"] < 0.9 for r in b["runs"]) and b["goodput_rate"] is None  # 1 in 3 is slow
+    assert all(r["completed"] == 9 and len(r["requests"]) == 9 for r in b["runs"])
+    assert all(r["slo_attainment"] <= 6 / 9 for r in b["runs"]) and b["goodput_rate"] is None  # 1 in 3 is slow
     for name in ("ttft_cdf", "itl_cdf", "throughput_over_time", "latency_over_time"):
         for rate in ("20", "40"):
             _assert_png(tmp_path / "plots" / f"rate_{rate}_{name}.png")
     _assert_png(tmp_path / "plots" / "attainment_vs_rate.png")
 
+    (tmp_path / "a.json").write_text(json.dumps(b["runs"][0]))
     cmp = subprocess.run(base + ["compare", str(tmp_path / "a.json"), str(tmp_path / "a.json"), str(tmp_path / "b.json")],
                          capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
     assert cmp.returncode == 0, cmp.stderr
     row = next(line for line in cmp.stdout.splitlines() if line.startswith("median_ttft_ms "))
-    assert "1.00x" in row  # a.json against itself
+    assert row.split()[1] == row.split()[2] and row.split()[3] == "1.00x"  # a.json against itself
     assert "goodput_rate" in cmp.stdout and "slo_attainment@20" in cmp.stdout
 
 
