@@ -20,6 +20,7 @@ RUN_FIGURES = (
     "request_goodput", "slo_attainment",
     *(f"{stat}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "p90", "p99")),
 )
+OPTIONAL_FIGURES = ("mean_server_ttft_ms", "median_server_ttft_ms")  # only targets that report their own TTFT
 SWEEP_FIGURES = ("request_throughput", "output_throughput", "request_goodput", "slo_attainment",
                  "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 
@@ -52,7 +53,7 @@ def label(path: Path, doc: dict[str, Any]) -> str:
 def flatten(doc: dict[str, Any]) -> dict[str, Any]:
     """Figure name -> value, in display order; sweep figures are keyed ``name@rate``."""
     if "runs" not in doc:
-        return {k: doc.get(k) for k in RUN_FIGURES}
+        return {k: doc.get(k) for k in RUN_FIGURES} | {k: doc[k] for k in OPTIONAL_FIGURES if k in doc}
     out: dict[str, Any] = {"goodput_rate": doc.get("goodput_rate")}
     for run in doc["runs"]:
         rate = run["request_rate"]

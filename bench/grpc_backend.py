@@ -2,8 +2,9 @@
 
 Each GenerateResponse with non-empty ``text`` is one streamed chunk (timed like an SSE chunk of the
 OpenAI target, so the two targets' TTFT/ITL mean the same thing); token counts come from the
-final message's ``usage``, else from the ``token_ids`` the stream carried. A failed RPC is a
-failed request whose error is the gRPC status code and details.
+final message's ``usage``, else from the ``token_ids`` the stream carried; the first message's
+``ttft_seconds`` (the router's own TTFT) is kept as ``server_ttft_s``. A failed RPC is a failed
+request whose error is the gRPC status code and details.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ class PdserveGrpcBackend:
         try:
             async for resp in self._stub.Generate(request, timeout=self._timeout_s):
                 s.on_event()
+                if resp.ttft_seconds and rec.server_ttft_s is None:
+                    rec.server_ttft_s = resp.ttft_seconds
                 if resp.text:
                     s.on_text(resp.text)
                 num_token_ids += len(resp.token_ids)

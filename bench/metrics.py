@@ -45,6 +45,7 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)
     generated_text: str = ""
     error: str = ""
+    server_ttft_s: float | None = None  # the target's own TTFT, where it reports one (pdserve-grpc)
 
     @property
     def tpot_s(self) -> float | None:
@@ -140,6 +141,10 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | No
     out.update(_stats([t for r in ok if (t := r.tpot_s) is not None], "tpot"))
     out.update(_stats([g for r in ok for g in r.itl_s], "itl"))
     out.update(_stats([r.e2el_s for r in ok if r.e2el_s is not None], "e2el"))
+    if server_ttfts := [r.server_ttft_s for r in ok if r.server_ttft_s is not None]:
+        # Client TTFT minus this is what the network and the front end add.
+        out["mean_server_ttft_ms"] = 1000.0 * float(np.mean(server_ttfts))
+        out["median_server_ttft_ms"] = 1000.0 * float(np.median(server_ttfts))
     return out
 
 

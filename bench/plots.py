@@ -50,7 +50,7 @@ def plot_run(records: Sequence[RequestRecord], out_dir: Path, prefix: str = "") 
         _cdf([1000 * r.ttft_s for r in ok], "TTFT CDF", "TTFT (ms)", out_dir / f"{prefix}ttft_cdf.png"),
         _cdf([1000 * g for r in ok for g in r.itl_s], "ITL CDF", "ITL (ms)", out_dir / f"{prefix}itl_cdf.png"),
         _throughput(ok, out_dir / f"{prefix}throughput_over_time.png"),
-        _latency(ok, out_dir / f"{prefix}latency_over_time.png"),
+        _latency(ok, [r for r in records if not r.success], out_dir / f"{prefix}latency_over_time.png"),
     ]
 
 
@@ -82,12 +82,15 @@ def _throughput(ok: Sequence[RequestRecord], path: Path) -> Path:
     return _save(fig, path)
 
 
-def _latency(ok: Sequence[RequestRecord], path: Path) -> Path:
+def _latency(ok: Sequence[RequestRecord], failed: Sequence[RequestRecord], path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     starts = [r.start_s for r in ok]
     ax.scatter(starts, [1000 * r.ttft_s for r in ok], s=8, label="TTFT")
     ax.scatter(starts, [1000 * r.e2el_s for r in ok], s=8, label="E2E latency")
+    if failed:  # on the time axis only: a failed request has no latency
+        ax.scatter([r.start_s for r in failed], [0.0] * len(failed), marker="x", color="tab:red",
+                   label=f"failed ({len(failed)})")
     ax.set(title="Latency over the run", xlabel="request sent at (s since start)", ylabel="ms")
     ax.legend()
     ax.grid(alpha=0.3)

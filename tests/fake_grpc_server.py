@@ -34,6 +34,8 @@ class FakeGeneration(api_pb2_grpc.GenerationServicer):
                 if sched.fail == "midstream" and i == 2:
                     await context.abort(grpc.StatusCode.INTERNAL, "injected mid-stream failure")
                 msg = api_pb2.GenerateResponse(request_id="fake", token_ids=[100 + i], text=f" tok{i}")
+                if i == 0:
+                    msg.ttft_seconds = time.perf_counter() - t0
                 if i == n - 1:
                     msg.finish_reason = "length"
                     msg.usage.CopyFrom(api_pb2.Usage(prompt_tokens=len(request.prompt.split()), completion_tokens=n))

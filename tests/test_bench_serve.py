@@ -312,7 +312,7 @@ def _assert_png(path: Path) -> None:
 def test_plots_are_valid_pngs(tmp_path):
     from bench.plots import plot_run, plot_sweep
 
-    records = [_rec(i, 50 + 10 * i, 12) for i in range(10)]
+    records = [_rec(i, 50 + 10 * i, 12) for i in range(10)] + [RequestRecord(index=10, success=False, error="x")]
     for i, r in enumerate(records):
         r.start_s = 0.1 * i
     paths = plot_run(records, tmp_path)
@@ -405,3 +405,6 @@ def test_pdserve_grpc_target(tmp_path):
     assert min(1000 * r.ttft_s for r in ok) <= 2 * TTFT_MS  # server and client share one event loop here
     assert min(abs(1000 * r.tpot_s - ITL_MS) for r in ok) <= 3.0
     assert sorted(r.error.split(":")[0] for r in out.records[0] if not r.success) == ["INTERNAL", "UNAVAILABLE"]
+    # The server's own TTFT is kept beside the client's, which includes the transport on top.
+    assert all(TTFT_MS / 1000 <= r.server_ttft_s <= r.ttft_s for r in ok)
+    assert doc["median_server_ttft_ms"] <= doc["median_ttft_ms"]
