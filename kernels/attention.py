@@ -19,24 +19,26 @@ from typing import Protocol, Sequence
 import torch
 
 
-@dataclass(frozen=True)
-class AttentionMetadata:
-    """Per-forward description of the flat token batch (all tensors on the cache's device).
+# Sequences with at most this many new tokens (decode, speculative verification) are attended
+# together in one padded group; longer chunks (prefill) each get their own group, so a long
+# prefill chunk never pads every decode row of the batch to its length.
+MAX_PADDED_QUERY_LEN = 16
 
-    slot_mapping: [T] int64, the cache slot each new token's K/V is written to.
-    seq_lens: [B] int64, context length of each sequence after this forward.
-    query_lens: [B] int64, new tokens of each sequence (its queries) in this forward.
-    context_slots: [B, L] int64, slot of key position j of sequence b (L = max seq_len; rows
-        padded with slot 0, masked out).
-    padded_index: [T] int64, row of each token in a padded [B * max_query_len] query layout.
-    attn_mask: [B, 1, max_query_len, L] bool, True where query i of sequence b may attend key j
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Sequences attended by one padded call (torch reference layout).
+
+    token_index: [Tg] int64, rows of the flat batch that belong to the group (None = all, in order).
+    context_slots: [Bg, L] int64, slot of key position j of the group's sequence b (L = the
+        group's max seq_len; rows padded with slot 0, masked out).
+    padded_index: [Tg] int64, row of each group token in a padded [Bg * max_query_len] layout.
+    attn_mask: [Bg, 1, max_query_len, L] bool, True where query i of sequence b may attend key j
         (causal: j <= start_pos + i, and j < seq_len). Padding query rows see every valid key,
         so no row is fully masked.
     """
 
-    slot_mapping: torch.Tensor
-    seq_lens: torch.Tensor
-    query_lens: torch.Tensor
+    token_index: torch.Tensor | None
     context_slots: torch.Tensor
     padded_index: torch.Tensor
     attn_mask: torch.Tensor
@@ -45,7 +47,25 @@ class AttentionMetadata:
 
     @property
     def num_seqs(self) -> int:
-        return int(self.seq_lens.shape[0])
+        return int(self.context_slots.shape[0])
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-forward description of the flat token batch (all tensors on the cache's device).
+
+    slot_mapping: [T] int64, the cache slot each new token's K/V is written to.
+    seq_lens: [B] int64, context length of each sequence after this forward.
+    query_start_loc: [B + 1] int64, first row of each sequence's tokens in the flat batch.
+    block_tables: [B, max_blocks] int64, padded with 0.
+    groups: the reference backend's batching of sequences (see AttentionGroup).
+    """
+
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    block_tables: torch.Tensor
+    groups: tuple[AttentionGroup, ...]
 
     @classmethod
     def build(cls, start_pos: Sequence[int], query_lens: Sequence[int],
@@ -55,35 +75,48 @@ class AttentionMetadata:
 
         block_tables[b] must cover ``start_pos[b] + query_lens[b]`` tokens (checked by the caller).
         """
-        num_seqs = len(query_lens)
         start = torch.tensor(start_pos, dtype=torch.int64)
         qlen = torch.tensor(query_lens, dtype=torch.int64)
         seq_lens = start + qlen
-        max_q, max_l = int(qlen.max()), int(seq_lens.max())
-        max_blocks = -(-max_l // block_size)
-        table = torch.zeros(num_seqs, max_blocks, dtype=torch.int64)
+        max_blocks = -(-int(seq_lens.max()) // block_size)
+        table = torch.zeros(len(query_lens), max_blocks, dtype=torch.int64)
         for b, bt in enumerate(block_tables):
             n = min(len(bt), max_blocks)
             table[b, :n] = torch.as_tensor(list(bt[:n]), dtype=torch.int64)
-        j = torch.arange(max_l)
-        context_slots = table[:, j // block_size] * block_size + j % block_size          # [B, L]
-        seq_idx = torch.repeat_interleave(torch.arange(num_seqs), qlen)                  # [T]
         first = torch.cumsum(qlen, 0) - qlen
-        i_in_chunk = torch.arange(int(qlen.sum())) - first[seq_idx]                      # [T]
-        positions = start[seq_idx] + i_in_chunk
-        slot_mapping = context_slots[seq_idx, positions]
-        causal_limit = start[:, None] + torch.arange(max_q)[None, :]                     # [B, Q]
-        mask = (j[None, None, :] <= causal_limit[:, :, None]) & (j[None, None, :] < seq_lens[:, None, None])
-        return cls(
-            slot_mapping=slot_mapping.to(device),
-            seq_lens=seq_lens.to(device),
-            query_lens=qlen.to(device),
-            context_slots=context_slots.to(device),
-            padded_index=(seq_idx * max_q + i_in_chunk).to(device),
-            attn_mask=mask[:, None].to(device),
-            max_query_len=max_q,
-            max_seq_len=max_l,
-        )
+        seq_idx = torch.repeat_interleave(torch.arange(len(query_lens)), qlen)              # [T]
+        positions = start[seq_idx] + torch.arange(int(qlen.sum())) - first[seq_idx]
+        slot_mapping = table[seq_idx, positions // block_size] * block_size + positions % block_size
+        short = [b for b, q in enumerate(query_lens) if q <= MAX_PADDED_QUERY_LEN]
+        long = [b for b, q in enumerate(query_lens) if q > MAX_PADDED_QUERY_LEN]
+        subsets = ([short] if short else []) + [[b] for b in long]
+        groups = tuple(_group(subset, start, qlen, first, table, block_size, len(subsets) == 1, device)
+                       for subset in subsets)
+        return cls(slot_mapping=slot_mapping.to(device), seq_lens=seq_lens.to(device),
+                   query_start_loc=torch.cat([first, qlen.sum().view(1)]).to(device),
+                   block_tables=table.to(device), groups=groups)
+
+
+def _group(seqs: list[int], start: torch.Tensor, qlen: torch.Tensor, first: torch.Tensor, table: torch.Tensor,
+           block_size: int, covers_all: bool, device: torch.device | str) -> AttentionGroup:
+    idx = torch.tensor(seqs, dtype=torch.int64)
+    g_start, g_qlen, g_first = start[idx], qlen[idx], first[idx]
+    g_seq_lens = g_start + g_qlen
+    max_q, max_l = int(g_qlen.max()), int(g_seq_lens.max())
+    j = torch.arange(max_l)
+    context_slots = table[idx][:, j // block_size] * block_size + j % block_size           # [Bg, L]
+    local = torch.repeat_interleave(torch.arange(len(seqs)), g_qlen)                       # [Tg]
+    i_in_chunk = torch.arange(int(g_qlen.sum())) - (torch.cumsum(g_qlen, 0) - g_qlen)[local]
+    causal_limit = g_start[:, None] + torch.arange(max_q)[None, :]                         # [Bg, Q]
+    mask = (j[None, None, :] <= causal_limit[:, :, None]) & (j[None, None, :] < g_seq_lens[:, None, None])
+    return AttentionGroup(
+        token_index=None if covers_all else (g_first[local] + i_in_chunk).to(device),
+        context_slots=context_slots.to(device),
+        padded_index=(local * max_q + i_in_chunk).to(device),
+        attn_mask=mask[:, None].to(device),
+        max_query_len=max_q,
+        max_seq_len=max_l,
+    )
 
 
 class AttentionBackend(Protocol):

@@ -1,8 +1,9 @@
 """Torch reference implementations of the attention ops (kernels/attention.py).
 
-Vectorized over the whole batch: each sequence's keys and values are gathered through its block
-table into a padded ``[B, num_kv_heads, L, head_dim]`` tensor and attended with one masked
-``scaled_dot_product_attention`` call per layer. GQA without copying K/V: the query heads that
+Vectorized: the sequences of a group (all decode and short verification chunks together; each
+long prefill chunk alone) have their keys and values gathered through their block tables into a
+padded ``[B, num_kv_heads, L, head_dim]`` tensor and are attended with one masked
+``scaled_dot_product_attention`` call per group and layer. GQA without copying K/V: the query heads that
 share a KV head are stacked along the query axis, ``[B, Hkv, G * Q, D]``.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import AttentionMetadata
+from kernels.attention import AttentionGroup, AttentionMetadata
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -21,37 +22,46 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
-def gather_context(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """cache [num_blocks, block_size, Hkv, D] -> [B, Hkv, L, D] keys (or values) of every sequence."""
-    num_seqs, max_len = meta.context_slots.shape
-    flat = cache.view(-1, *cache.shape[2:]).index_select(0, meta.context_slots.view(-1))
+def gather_context(cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """cache [num_blocks, block_size, Hkv, D] -> [Bg, Hkv, L, D] keys (or values) of the group's sequences."""
+    num_seqs, max_len = group.context_slots.shape
+    flat = cache.view(-1, *cache.shape[2:]).index_select(0, group.context_slots.view(-1))
     return flat.view(num_seqs, max_len, *cache.shape[2:]).transpose(1, 2)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """query [T, Hq, D] -> [T, Hq, D]: causal attention of each token over its sequence's cache."""
+    if len(meta.groups) == 1 and meta.groups[0].token_index is None:
+        return _attend_group(query, key_cache, value_cache, meta.groups[0], scale)
+    out = torch.empty_like(query)
+    for group in meta.groups:
+        q = query.index_select(0, group.token_index)
+        out.index_copy_(0, group.token_index, _attend_group(q, key_cache, value_cache, group, scale))
+    return out
+
+
+def _attend_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  group: AttentionGroup, scale: float) -> torch.Tensor:
+    """query [Tg, Hq, D] of the group's tokens -> [Tg, Hq, D]."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    num_seqs, max_q = meta.num_seqs, meta.max_query_len
-    keys = gather_context(key_cache, meta).to(query.dtype)
-    values = gather_context(value_cache, meta).to(query.dtype)
-    if num_tokens == num_seqs * max_q:  # every sequence has max_q new tokens (e.g. all decode)
-        padded = query
-    else:
-        padded = query.new_zeros(num_seqs * max_q, num_heads, head_dim).index_copy_(0, meta.padded_index, query)
-    # [B, Q, Hkv, G, D] -> [B, Hkv, G * Q, D]: a KV head's query heads share one K/V read.
-    q = padded.view(num_seqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    q = q.reshape(num_seqs, num_kv_heads, group * max_q, head_dim)
-    mask = meta.attn_mask.expand(num_seqs, group, max_q, meta.max_seq_len).reshape(
-        num_seqs, 1, group * max_q, meta.max_seq_len)
+    num_groups = num_heads // num_kv_heads
+    num_seqs, max_q = group.num_seqs, group.max_query_len
+    keys = gather_context(key_cache, group).to(query.dtype)
+    values = gather_context(value_cache, group).to(query.dtype)
+    dense = num_tokens == num_seqs * max_q  # every sequence has max_q new tokens (e.g. all decode)
+    padded = query if dense else query.new_zeros(num_seqs * max_q, num_heads, head_dim).index_copy_(
+        0, group.padded_index, query)
+    # [B, Q, Hkv, G, D] -> [B, Hkv, G * Q, D]: the query heads of one KV head share one K/V read.
+    q = padded.view(num_seqs, max_q, num_kv_heads, num_groups, head_dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(num_seqs, num_kv_heads, num_groups * max_q, head_dim)
+    mask = group.attn_mask.expand(num_seqs, num_groups, max_q, group.max_seq_len).reshape(
+        num_seqs, 1, num_groups * max_q, group.max_seq_len)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-    out = out.view(num_seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+    out = out.view(num_seqs, num_kv_heads, num_groups, max_q, head_dim).permute(0, 3, 1, 2, 4)
     out = out.reshape(num_seqs * max_q, num_heads, head_dim)
-    if num_tokens == num_seqs * max_q:
-        return out
-    return out.index_select(0, meta.padded_index)
+    return out if dense else out.index_select(0, group.padded_index)
 
 
 class TorchAttention:

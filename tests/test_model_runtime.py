@@ -21,7 +21,7 @@ TOL = 1e-3
 
 @pytest.fixture(scope="module")
 def runner(model_path) -> ModelRunner:
-    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    torch.set_num_threads(1)  # the test machine's 2 cores are shared: more threads only spin
     return ModelRunner(model_path, block_size=16, num_blocks=128)
 
 

@@ -1,0 +1,75 @@
+"""The torch reference attention ops (kernels/) against a naive per-token, per-head softmax."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels.attention import MAX_PADDED_QUERY_LEN, AttentionMetadata, get_attention_backend
+
+NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, GROUP, HEAD_DIM = 64, 4, 2, 3, 8
+
+
+def naive_attention(query, key_cache, value_cache, seqs, tables, scale):
+    out, row = torch.empty_like(query), 0
+    for (start, qlen), table in zip(seqs, tables):
+        slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start + qlen)]
+        keys = key_cache.view(-1, KV_HEADS, HEAD_DIM)[slots]
+        values = value_cache.view(-1, KV_HEADS, HEAD_DIM)[slots]
+        for i in range(qlen):
+            for h in range(KV_HEADS * GROUP):
+                scores = keys[: start + i + 1, h // GROUP] @ query[row + i, h] * scale
+                out[row + i, h] = scores.softmax(0) @ values[: start + i + 1, h // GROUP]
+        row += qlen
+    return out
+
+
+def scattered_tables(seqs, seed=0):
+    blocks = list(range(NUM_BLOCKS))
+    random.Random(seed).shuffle(blocks)
+    tables = []
+    for start, qlen in seqs:
+        n = -(-(start + qlen) // BLOCK_SIZE)
+        tables.append(blocks[:n])
+        blocks = blocks[n:]
+    return tables
+
+
+@pytest.mark.parametrize("seqs", [
+    [(0, 1), (7, 1), (30, 1)],                                # decode only: one dense group
+    [(0, 20), (5, 1), (30, 3), (12, 17), (0, 1), (40, 40)],   # prefill chunks, decode, verification
+    [(0, MAX_PADDED_QUERY_LEN + 1)],                          # one long prefill
+])
+def test_paged_attention_matches_naive_softmax(seqs):
+    gen = torch.Generator().manual_seed(0)
+    key_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
+    value_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
+    tables = scattered_tables(seqs)
+    meta = AttentionMetadata.build([s for s, _ in seqs], [q for _, q in seqs], tables, BLOCK_SIZE)
+    query = torch.randn(sum(q for _, q in seqs), KV_HEADS * GROUP, HEAD_DIM, generator=gen)
+    ops = get_attention_backend("torch")
+    got = ops.paged_attention(query, key_cache, value_cache, meta, 0.3)
+    assert (got - naive_attention(query, key_cache, value_cache, seqs, tables, 0.3)).abs().max().item() < 1e-5
+
+
+def test_write_kv_cache_follows_the_slot_mapping():
+    seqs = [(3, 2), (0, 5)]
+    tables = scattered_tables(seqs, seed=1)
+    meta = AttentionMetadata.build([3, 0], [2, 5], tables, BLOCK_SIZE)
+    expected = [tables[0][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in (3, 4)]
+    expected += [tables[1][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(5)]
+    assert meta.slot_mapping.tolist() == expected
+    key_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    value_cache = torch.zeros_like(key_cache)
+    key, value = torch.randn(7, KV_HEADS, HEAD_DIM), torch.randn(7, KV_HEADS, HEAD_DIM)
+    get_attention_backend("torch").write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+    assert torch.equal(key_cache.view(-1, KV_HEADS, HEAD_DIM)[expected], key)
+    assert torch.equal(value_cache.view(-1, KV_HEADS, HEAD_DIM)[expected], value)
+    assert key_cache.abs().sum().item() == pytest.approx(key.abs().sum().item())
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="unknown attention backend 'triton'"):
+        get_attention_backend("triton")
