@@ -34,8 +34,8 @@ class Backend(Protocol):
 
 
 @dataclass
-class _Stream:
-    """Accumulates one streamed reply."""
+class StreamTimes:
+    """One streamed reply as it arrives: chunk times (perf_counter seconds), text, usage."""
 
     st: float
     last: float = 0.0
@@ -61,7 +61,7 @@ class _Stream:
         self.parts.append(text)
 
 
-def finish_record(rec: RequestRecord, s: _Stream) -> RequestRecord:
+def finish_record(rec: RequestRecord, s: StreamTimes) -> RequestRecord:
     """Fill a successful record from a completed stream. Output tokens: the target's usage, else
     the number of text chunks, marked "chunks" for ``count_output_tokens`` to redo after the run
     (tokenizing here would stall the event loop while other requests are being timed).
@@ -108,7 +108,7 @@ class OpenAICompletionsBackend:
         payload = {"model": self.model, "prompt": req.prompt, "max_tokens": req.expected_output_len,
                    "stream": True, **self._extra}
         rec = RequestRecord(index=index, success=False, prompt_len=req.prompt_len)
-        s = _Stream(st=time.perf_counter())
+        s = StreamTimes(st=time.perf_counter())
         rec.start_s = s.st - t0
         try:
             async with asyncio.timeout(self._timeout_s), self._client.stream("POST", self._url, json=payload) as resp:
@@ -130,7 +130,7 @@ class OpenAICompletionsBackend:
         return finish_record(rec, s)
 
     @staticmethod
-    def _on_line(line: str, s: _Stream, rec: RequestRecord) -> bool:
+    def _on_line(line: str, s: StreamTimes, rec: RequestRecord) -> bool:
         """Handle one SSE line; False ends the stream ([DONE] or an error event)."""
         if not line.startswith("data:"):
             return True

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from bench.backends import _Stream, finish_record
+from bench.backends import StreamTimes, finish_record
 from bench.datasets import SampleRequest
 from bench.metrics import RequestRecord
 from engine.errors import UserError
@@ -61,7 +61,7 @@ class PdserveGrpcBackend:
             sampling=api_pb2.SamplingOptions(temperature=0.0, max_tokens=req.expected_output_len,
                                              ignore_eos=self._ignore_eos))
         rec = RequestRecord(index=index, success=False, prompt_len=req.prompt_len)
-        s = _Stream(st=time.perf_counter())
+        s = StreamTimes(st=time.perf_counter())
         rec.start_s = s.st - t0
         num_token_ids = 0
         try:
