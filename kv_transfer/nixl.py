@@ -8,7 +8,10 @@ landed write from the notification NIXL delivers after the data.
 
 Machine notes (``../shared/MACHINE-NOTES.md``): the agent runs without its progress thread (on 2
 cores it cost 4-5x bandwidth), so whoever waits must poll: handles progress in ``poll``, receivers
-must call ``poll_notifications`` about every millisecond. UCX stays on loopback
+must call ``poll_notifications`` about every millisecond. On the sending side the transport runs
+its own small progress thread that polls pending handles every ``progress_interval_s`` and sleeps
+on an event when nothing is pending (NIXL's thread spins even when idle), so a layer streamed from
+the model runner's hook moves while the next layers compute. UCX stays on loopback
 (``UCX_NET_DEVICES=lo`` unless set) and the UCX backend is created with
 ``ucx_error_handling_mode=none``; a dead peer therefore surfaces as a transfer timeout.
 The agent is not thread-safe in this mode: every call goes through one lock.
@@ -17,10 +20,13 @@ The agent is not thread-safe in this mode: every call goes through one lock.
 from __future__ import annotations
 
 import base64
+import collections
 import os
 import socket
 import threading
+import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -46,11 +52,11 @@ class NixlTransport(KVTransport):
 
     name = "nixl"
 
-    def __init__(self, agent_name: str | None = None, ucx_devices: str = "") -> None:
+    def __init__(self, agent_name: str | None = None, ucx_devices: str = "", progress_interval_s: float = 0.0005) -> None:
         nixl_agent, nixl_agent_config = _import_nixl()
         self.agent_name = agent_name or f"pdserve-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         try:
             self.agent = nixl_agent(self.agent_name, config)
             params = {"ucx_error_handling_mode": "none", "num_workers": "1"}
@@ -63,8 +69,38 @@ class NixlTransport(KVTransport):
         self.compat: CompatKey | None = None
         self._reg = None
         self._peers: dict[str, dict[str, Any]] = {}
-        self._handles: set[NixlHandle] = set()
+        self._handles: set[NixlHandle] = set()  # not final yet
+        self._submitted: collections.deque[NixlHandle] = collections.deque()  # not posted yet
+        self._layouts: dict[tuple, _Layout] = {}
         self._closed = False
+        self.progress_interval_s = progress_interval_s
+        self._wake = threading.Event()
+        self._progress_thread: threading.Thread | None = None
+
+    def _enqueue(self, handle: "NixlHandle") -> None:
+        """Hand a transfer to the progress thread, which posts it and polls it until final. Takes no
+        lock (deque and set updates are atomic): the caller never waits behind a post in progress."""
+        self._handles.add(handle)
+        self._submitted.append(handle)
+        if self._progress_thread is None:
+            self._progress_thread = threading.Thread(target=self._progress_loop, name="kv-nixl-progress", daemon=True)
+            self._progress_thread.start()
+        self._wake.set()
+
+    def _progress_loop(self) -> None:
+        while not self._closed:
+            self._wake.clear()
+            while True:
+                with self._lock:
+                    if not self._submitted:
+                        break
+                    self._submitted.popleft()._post()
+            if not self._handles:
+                self._wake.wait(0.1)
+                continue
+            for handle in list(self._handles):
+                handle.poll()
+            self._wake.wait(self.progress_interval_s)
 
     def register_cache(self, cache: PagedKVCache, compat: CompatKey) -> bytes:
         if self.cache is not None:
@@ -105,41 +141,40 @@ class NixlTransport(KVTransport):
 
     def write(self, peer: str, src_blocks: Sequence[int], dst_blocks: Sequence[int], layers: Sequence[int],
               notify: str, timeout_s: float) -> TransferHandle:
-        remote = self._peer(peer)
-        spec = self.cache.spec
-        src_blocks, dst_blocks = check_blocks(src_blocks, dst_blocks, spec.num_blocks, remote["num_blocks"])
-        return self._transfer("WRITE", peer, check_layers(layers, spec.num_layers),
-                              coalesce_arrays(src_blocks, dst_blocks), notify, timeout_s)
+        return self._transfer("WRITE", peer, self._layout(peer, src_blocks, dst_blocks),
+                              check_layers(layers, self.cache.spec.num_layers), notify, timeout_s)
 
     def read(self, peer: str, remote_blocks: Sequence[int], local_blocks: Sequence[int], layers: Sequence[int],
              timeout_s: float, notify: str = "") -> TransferHandle:
-        remote = self._peer(peer)
-        spec = self.cache.spec
-        local_blocks, remote_blocks = check_blocks(local_blocks, remote_blocks, spec.num_blocks, remote["num_blocks"])
-        return self._transfer("READ", peer, check_layers(layers, spec.num_layers),
-                              coalesce_arrays(local_blocks, remote_blocks), notify, timeout_s)
+        return self._transfer("READ", peer, self._layout(peer, local_blocks, remote_blocks),
+                              check_layers(layers, self.cache.spec.num_layers), notify, timeout_s)
 
-    def _transfer(self, op: str, peer: str, layers: list[int], runs: tuple[np.ndarray, np.ndarray, np.ndarray],
-                  notify: str, timeout_s: float) -> "NixlHandle":
-        """``runs``: (local starts, remote starts, counts), whatever the direction."""
-        spec, remote = self.cache.spec, self._peers[peer]
-        local_starts, remote_starts, counts = runs
-        local = _desc_array(layers, local_starts, counts, self.cache.data.data_ptr(), spec.num_blocks,
-                            spec.block_bytes, max(self.cache.data.get_device(), 0))
-        far = _desc_array(layers, remote_starts, counts, remote["base"], remote["num_blocks"], spec.block_bytes,
-                          remote["device_id"])
-        handle = NixlHandle(self, peer, notify, timeout_s, int(local[:, 1].sum()))
-        mem = "DRAM" if self.cache.data.device.type == "cpu" else "VRAM"
-        with self._lock:
-            try:
-                xfer = self.agent.initialize_xfer(op, self.agent.get_xfer_descs(local, mem),
-                                                  self.agent.get_xfer_descs(far, mem), peer, notify.encode())
-                status = self.agent.transfer(xfer)
-            except Exception as e:
-                handle._finish(TransferState.FAILED, f"nixl: cannot post {op}: {e}")
-                return handle
-        handle._start(xfer, status)
+    def _layout(self, peer: str, local_blocks, remote_blocks) -> "_Layout":
+        """Checked, coalesced descriptor layout of a block mapping, cached: a request streamed layer
+        by layer reuses its mapping for every layer, and the hook must stay cheap."""
+        remote = self._peer(peer)
+        key = (peer, _key(local_blocks), _key(remote_blocks))
+        layout = self._layouts.pop(key, None)
+        if layout is None:
+            spec = self.cache.spec
+            local, far = check_blocks(local_blocks, remote_blocks, spec.num_blocks, remote["num_blocks"])
+            layout = _Layout.build(coalesce_arrays(local, far), spec.num_blocks, remote["num_blocks"], spec.block_bytes)
+            if len(self._layouts) >= _LAYOUT_CACHE:
+                self._layouts.pop(next(iter(self._layouts)))
+        self._layouts[key] = layout  # most recently used last
+        return layout
+
+    def _transfer(self, op: str, peer: str, layout: "_Layout", layers: list[int], notify: str,
+                  timeout_s: float) -> "NixlHandle":
+        """Checked here; descriptors are built and posted by the progress thread (keeps hooks cheap)."""
+        handle = NixlHandle(self, peer, notify, timeout_s, layout.nbytes_per_layer * len(layers), (op, layout, layers))
+        self._enqueue(handle)
         return handle
+
+    def _descriptors(self, peer: str, layout: "_Layout", layers: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        remote = self._peers[peer]
+        return layout.descriptors(layers, self.cache.data.data_ptr(), remote["base"],
+                                  max(self.cache.data.get_device(), 0), remote["device_id"])
 
     def poll_notifications(self) -> list[str]:
         with self._lock:
@@ -155,6 +190,9 @@ class NixlTransport(KVTransport):
         if self._closed:
             return
         self._closed = True
+        self._wake.set()
+        if self._progress_thread is not None:
+            self._progress_thread.join(1.0)
         for handle in list(self._handles):
             handle.cancel()
             if not handle.state.is_final:
@@ -170,85 +208,143 @@ class NixlTransport(KVTransport):
                 self._reg = None
 
 
-def _desc_array(layers: list[int], starts: np.ndarray, counts: np.ndarray, base: int, num_blocks: int,
-                block_bytes: int, device_id: int) -> np.ndarray:
-    """Nx3 uint64 (address, length, device id) NIXL descriptors, layer-major, K then V, one per run."""
-    lkv = (np.asarray(layers, dtype=np.int64)[:, None] * 2 + np.arange(2)[None, :]).reshape(-1)
-    addr = base + (lkv[:, None] * num_blocks + starts[None, :]) * block_bytes
-    length = np.broadcast_to(counts[None, :] * block_bytes, addr.shape)
-    return np.stack([addr.reshape(-1), length.reshape(-1), np.full(addr.size, device_id)], axis=1).astype(np.uint64)
+_LAYOUT_CACHE = 256
+
+
+def _key(blocks) -> bytes | tuple:
+    return blocks.tobytes() if isinstance(blocks, np.ndarray) else tuple(blocks)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Byte offsets of each run's K and V in layer 0 on both sides, and their lengths; layer ``l``
+    is layer 0 shifted by ``l * 2 * num_blocks * block_bytes`` (the ``LKBTHD`` layout)."""
+
+    local: np.ndarray
+    remote: np.ndarray
+    lengths: np.ndarray
+    local_layer_stride: int
+    remote_layer_stride: int
+
+    @classmethod
+    def build(cls, runs: tuple[np.ndarray, np.ndarray, np.ndarray], local_num_blocks: int, remote_num_blocks: int,
+              block_bytes: int) -> "_Layout":
+        local_starts, remote_starts, counts = runs
+        kv = np.arange(2)[:, None]
+        return cls(((kv * local_num_blocks + local_starts[None, :]) * block_bytes).reshape(-1),
+                   ((kv * remote_num_blocks + remote_starts[None, :]) * block_bytes).reshape(-1),
+                   np.tile(counts * block_bytes, 2), 2 * local_num_blocks * block_bytes,
+                   2 * remote_num_blocks * block_bytes)
+
+    @property
+    def nbytes_per_layer(self) -> int:
+        return int(self.lengths.sum())
+
+    def descriptors(self, layers: list[int], local_base: int, remote_base: int, local_dev: int,
+                    remote_dev: int) -> tuple[np.ndarray, np.ndarray]:
+        """Nx3 uint64 (address, length, device id) NIXL descriptor lists, layer-major, K then V."""
+        lay = np.asarray(layers, dtype=np.int64)[:, None]
+        lengths = np.tile(self.lengths, len(layers))
+        out = []
+        for base, offsets, stride, dev in ((local_base, self.local, self.local_layer_stride, local_dev),
+                                           (remote_base, self.remote, self.remote_layer_stride, remote_dev)):
+            addr = (base + lay * stride + offsets[None, :]).reshape(-1)
+            out.append(np.column_stack((addr, lengths, np.full(addr.size, dev))).astype(np.uint64))
+        return out[0], out[1]
 
 
 class NixlHandle(TransferHandle):
-    """A NIXL transfer request; progresses when polled (no progress thread), so ``wait`` polls often."""
+    """A NIXL transfer request. Posted and polled by the transport's progress thread: with UCX over
+    shared memory (CMA) the copy happens inside the post, so posting on the caller's thread would
+    put the whole copy on the critical path of the forward that streams it.
+    All state changes happen under the transport's lock."""
 
     max_poll_interval_s = 0.0002
 
-    def __init__(self, transport: NixlTransport, peer: str, notify: str, timeout_s: float, nbytes: int) -> None:
+    def __init__(self, transport: NixlTransport, peer: str, notify: str, timeout_s: float, nbytes: int,
+                 job: tuple) -> None:
         super().__init__(peer, notify, timeout_s, nbytes)
         self.transport = transport
+        self._job = job
         self._xfer = None
 
-    def _start(self, xfer, status: str) -> None:
-        self._xfer = xfer
-        self.transport._handles.add(self)
+    def _post(self) -> None:
+        """Called by the progress thread, under the lock."""
+        if self.state.is_final:
+            return
+        op, layout, layers = self._job
+        agent = self.transport.agent
+        mem = "DRAM" if self.transport.cache.data.device.type == "cpu" else "VRAM"
+        try:
+            local, far = self.transport._descriptors(self.peer, layout, layers)
+            self._xfer = agent.initialize_xfer(op, agent.get_xfer_descs(local, mem), agent.get_xfer_descs(far, mem),
+                                               self.peer, self.notify.encode())
+            status = agent.transfer(self._xfer)
+        except Exception as e:
+            self._settle_final(TransferState.FAILED, f"nixl: cannot post {op}: {e}")
+            return
         self._settle(status)
 
     def _progress(self) -> None:
-        if self._xfer is None or self.state.is_final:
-            return
-        with self.transport._lock:
-            status = self.transport.agent.check_xfer_state(self._xfer)
-        self._settle(status)
-        if self.cancel_requested and not self.state.is_final:
-            self._try_abort()
+        with self.transport._lock:  # a released request must never be checked again
+            if self._xfer is None or self.state.is_final:
+                return
+            self._settle(self.transport.agent.check_xfer_state(self._xfer))
+            if self.cancel_requested and not self.state.is_final:
+                self._try_abort()
 
     def _settle(self, status: str) -> None:
         if status == "DONE":
-            self._release_and_finish(TransferState.DONE)
+            self._settle_final(TransferState.DONE)
         elif status == "ERR":
-            if self.cancel_requested:
-                self._release_and_finish(TransferState.CANCELLED)
-            else:
-                self._release_and_finish(TransferState.FAILED, "nixl: transfer failed (peer gone or error)")
+            cancelled = self.cancel_requested
+            self._settle_final(TransferState.CANCELLED if cancelled else TransferState.FAILED,
+                               None if cancelled else "nixl: transfer failed (peer gone or error)")
 
-    def _release_and_finish(self, state: TransferState, error: str | None = None) -> None:
-        try:
-            with self.transport._lock:
+    def _settle_final(self, state: TransferState, error: str | None = None) -> None:
+        if self._xfer is not None:
+            try:
                 self._xfer.release()
-        except Exception:  # still active in the backend: NIXL keeps it in the agent's leak list
-            pass
+            except Exception:  # still active in the backend: NIXL keeps it in the agent's leak list
+                pass
         self.transport._handles.discard(self)
         if self._finish(state, error) and state is TransferState.CANCELLED and self.notify:
-            self._tell_peer_aborted()
+            try:  # the receiver may free the destination blocks now
+                self.transport.agent.send_notif(self.peer, (ABORTED_PREFIX + self.notify).encode())
+            except Exception:
+                pass
 
     def _try_abort(self) -> None:
         """Releasing an active request asks UCX to cancel it; it raises while the request cannot
         be cancelled yet, and succeeds once nothing of it can still land."""
         try:
-            with self.transport._lock:
-                self._xfer.release()
+            self._xfer.release()
         except Exception:
             return
-        self.transport._handles.discard(self)
-        if self._finish(TransferState.CANCELLED):
-            self._tell_peer_aborted()
-
-    def _tell_peer_aborted(self) -> None:
-        try:
-            self.transport.send_notification(self.peer, ABORTED_PREFIX + self.notify)
-        except Exception:
-            pass
+        self._settle_final(TransferState.CANCELLED)
 
     def _request_cancel(self) -> None:
-        if self._xfer is not None:
-            self._try_abort()
+        with self.transport._lock:
+            if self.state.is_final:
+                return
+            if self._xfer is None:  # never posted: nothing can land
+                self._unsubmit()
+                self._settle_final(TransferState.CANCELLED)
+            else:
+                self._try_abort()
 
     def _on_timeout(self) -> None:
-        if self._xfer is not None:
-            try:
-                with self.transport._lock:
+        with self.transport._lock:
+            self._unsubmit()
+            if self._xfer is not None:
+                try:
                     self._xfer.release()
-            except Exception:
-                pass
+                except Exception:  # still active: NIXL keeps it in the agent's leak list
+                    pass
             self.transport._handles.discard(self)
+
+    def _unsubmit(self) -> None:
+        try:
+            self.transport._submitted.remove(self)
+        except ValueError:
+            pass

@@ -227,10 +227,13 @@ def test_local_backend_write_and_read_are_byte_exact_with_notifications():
 def test_nixl_descriptors_address_each_run_of_each_layer_k_then_v():
     import numpy as np
 
-    from kv_transfer.nixl import _desc_array
+    from kv_transfer.nixl import _Layout
     from kv_transfer.plan import coalesce_arrays
-    src, dst, counts = coalesce_arrays(np.array([3, 4, 9]), np.array([0, 1, 5]))
-    got = _desc_array([2, 0], src, counts, base=1000, num_blocks=16, block_bytes=64, device_id=0)
-    want = [(1000 + byte_offset(16, 64, layer, kv, s), c * 64, 0)
-            for layer in (2, 0) for kv in (0, 1) for s, c in ((3, 2), (9, 1))]
-    assert [tuple(int(x) for x in row) for row in got] == want
+    layout = _Layout.build(coalesce_arrays(np.array([3, 4, 9]), np.array([0, 1, 5])), 16, 32, 64)
+    local, far = layout.descriptors([2, 0], 1000, 5000, 0, 1)
+    want_local = [(1000 + byte_offset(16, 64, layer, kv, s), c * 64, 0)
+                  for layer in (2, 0) for kv in (0, 1) for s, c in ((3, 2), (9, 1))]
+    want_far = [(5000 + byte_offset(32, 64, layer, kv, s), c * 64, 1)
+                for layer in (2, 0) for kv in (0, 1) for s, c in ((0, 2), (5, 1))]
+    assert [tuple(int(x) for x in row) for row in local] == want_local
+    assert [tuple(int(x) for x in row) for row in far] == want_far
