@@ -3,6 +3,18 @@
 The figures carry ``vllm bench serve``'s names (bench/metrics.py) so results compare across tools.
 Flow: load the workload -> connect to the target -> for each request rate (one, or a sweep):
 warm up, send on the arrival schedule, aggregate -> print the table, write JSON and plots.
+
+Examples::
+
+    pdserve bench serve --backend openai --url http://127.0.0.1:8000 --request-rate 2 \
+        --slo ttft:500,tpot:100 --json pdserve.json --plot plots/
+    pdserve bench serve --backend openai --url http://127.0.0.1:8080 --json llamacpp.json   # a peer
+    pdserve bench serve --backend pdserve-grpc --url 127.0.0.1:50051 --dataset random \
+        --input-len 512 --output-len 64 --sweep-rates 0.5,1,2,4 --slo ttft:1000,tpot:200
+    pdserve bench compare pdserve.json llamacpp.json
+
+On a cold CPU server the first requests are slow (first prefills of each shape): raise
+``--num-warmups`` so they do not count.
 """
 
 from __future__ import annotations
