@@ -45,7 +45,10 @@ def test_serve_subprocess_health_answer_sigint(tmp_path):
     assert not _outside_loopback_namespace(), "run inside a loopback-only namespace (make test)"
     grpc_port, http_port, metrics_port = _free_port(), _free_port(), _free_port()
     marker = f"PDSERVE_TEST_MARKER={uuid.uuid4().hex}"
-    env = dict(os.environ, RAY_TMPDIR=str(tmp_path), RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1",
+    import tempfile
+
+    ray_tmp = tempfile.mkdtemp(prefix="pdr-", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
+    env = dict(os.environ, RAY_TMPDIR=ray_tmp, RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1",
                PDSERVE_TEST_MARKER=marker.split("=", 1)[1])
     env.pop("RAY_ADDRESS", None)
     log = (tmp_path / "serve.log").open("w")
@@ -56,7 +59,15 @@ def test_serve_subprocess_health_answer_sigint(tmp_path):
         from router.client import RouterClient
 
         with RouterClient(f"127.0.0.1:{grpc_port}", timeout_s=60) as client:
-            client.wait_ready(240)
+            end = time.monotonic() + 300
+            while proc.poll() is None and time.monotonic() < end:
+                try:
+                    client.wait_ready(2)
+                    break
+                except TimeoutError:
+                    pass
+            else:
+                pytest.fail(f"not serving (exit code {proc.poll()}); log:\n" + (tmp_path / "serve.log").read_text()[-4000:])
             text = "".join(m.text for m in client.generate("What is 2+2?", chat=True, max_tokens=8, temperature=0.0))
             assert text.strip()
         status = subprocess.run([str(PDSERVE), "status", "--url", f"127.0.0.1:{grpc_port}", "--json"], env=env,

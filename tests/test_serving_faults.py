@@ -41,8 +41,8 @@ def test_prefill_worker_sigkill_in_flight(ray_session):
                                           sampling=api_pb2.SamplingOptions(temperature=0, max_tokens=8))
             start = time.monotonic()
             try:
-                text = "".join([m.text async for m in stub.Generate(req, timeout=DEADLINE_S)])
-                return "ok" if text else "empty", time.monotonic() - start
+                msgs = [m async for m in stub.Generate(req, timeout=DEADLINE_S)]
+                return "ok" if msgs and msgs[-1].finish_reason else "unfinished", time.monotonic() - start
             except grpc.RpcError as e:
                 return e.code().name, time.monotonic() - start
 
