@@ -48,6 +48,7 @@ class WorkerConfig:
     max_num_batched_tokens: int = 512
     max_waiting: int | None = None
     num_threads: int = 1
+    device: str = "cpu"            # "cuda" on GPU nodes (the actor declares num_gpus=1)
     host: str = "127.0.0.1"
     port: int = 0
     metrics_port: int | None = None

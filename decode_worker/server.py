@@ -109,7 +109,7 @@ def build_worker(config: WorkerConfig) -> WorkerCore:
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_waiting=config.max_waiting),
         cache=CacheConfig(block_size=config.block_size, num_blocks=config.num_blocks),
-        num_threads=config.num_threads))
+        num_threads=config.num_threads, device=config.device))
     runner = _runner(engine)
     args = (config, engine, model_dir, runner.model_config)
     if config.role == "agg":

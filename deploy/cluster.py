@@ -47,7 +47,7 @@ class ClusterSpec:
         base = WorkerConfig(worker_id="", role="agg", model=self.model, kv_transport=self.kv_transport,
                             num_blocks=self.num_blocks, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, num_threads=self.threads_per_worker,
-                            host=self.host)
+                            device="cuda" if self.num_gpus_per_worker > 0 else "cpu", host=self.host)
         configs = []
         for role, n in roles:
             for i in range(n):
