@@ -11,8 +11,9 @@ Lifecycle of one disaggregated request on this worker:
   4. End: the engine frees the blocks on finish; Abort frees them in any state; a lease that
      expires before Decode (the router or the prefill worker vanished) aborts the request.
 In agg mode the same worker serves Generate only (no transport).
-The transport's notifications are polled every millisecond: NIXL without its progress thread
-needs the receiver to poll, and the other backends queue them until read.
+The transport's notifications are polled every millisecond while reservations are open (NIXL
+without its progress thread needs the receiver to poll; the other backends queue them until read),
+and every 50 ms otherwise, so that an idle poller does not take CPU from decoding.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from proto.pdserve.v1 import api_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
-NOTIFY_POLL_S = 0.001
+NOTIFY_POLL_S = 0.001       # while KV may be arriving (reservations open)
+NOTIFY_IDLE_POLL_S = 0.05   # otherwise: the poller must not cost the decode loop CPU
 LEASE_REAP_S = 0.25
 
 
@@ -95,4 +97,4 @@ class DecodeWorker(WorkerCore):
                 self.transport.poll_notifications()
             except Exception as e:  # a broken peer must not stop the poller
                 log.warning("poll_notifications failed: %s", e)
-            await asyncio.sleep(NOTIFY_POLL_S)
+            await asyncio.sleep(NOTIFY_POLL_S if len(self.reservations) else NOTIFY_IDLE_POLL_S)
