@@ -10,8 +10,8 @@ transports (as a decode worker would; NIXL needs it, see MACHINE-NOTES). Three p
    just before each row in this run; ``ratio`` = backend / memcpy.
 2. The KV of a 1,000-token prompt in the SmolLM2-135M layout (30 layers, 3 KV heads, head dim 64,
    block size 16, fp32: 63 blocks, 46 MB), written whole and layer by layer.
-3. Overlap. Prefill a 1,000-token prompt with the real model; the runner's per-layer hook writes
-   layer l's blocks as soon as they exist. exposed = (time the hooks block the forward) + (time
+3. Overlap. Prefill a 1,000-token prompt with the real model; the runner's per-layer hook hands
+   layer l to a ``LayerStream``, which writes its blocks at once from another thread. exposed = (time the hooks block the forward) + (time
    from the end of the forward until the last layer is DONE); overlap = 1 - exposed / (time to
    move the same layers after the prefill). A wall-clock variant (overlapped run minus the median
    compute-only run, noisier) is reported beside it.
@@ -241,7 +241,7 @@ def _overlap(pair: _Pair, runner, reps: int = 2) -> dict[str, Any]:
     import torch
 
     from engine.batch import SeqChunk
-    from kv_transfer import CompatKey, TransferState, create_transport
+    from kv_transfer import CompatKey, LayerStream, TransferState, create_transport
     spec = runner.kv_cache.spec
     if (spec.num_layers, spec.num_kv_heads, spec.head_dim) != (SMOL["num_layers"], SMOL["num_kv_heads"], SMOL["head_dim"]):
         raise RuntimeError(f"overlap test needs the SmolLM2 layout, the model has {spec}")
@@ -260,18 +260,19 @@ def _overlap(pair: _Pair, runner, reps: int = 2) -> dict[str, Any]:
             runner.forward(chunk)
             compute.append(time.perf_counter() - t0)
 
-            handles, hook_time = [], [0.0]
+            stream = LayerStream(sender, peer, blocks, blocks, f"overlap-{len(compute)}", spec.num_layers, 60.0)
+            hook_time = [0.0]
 
             def hook(layer: int) -> None:
                 h0 = time.perf_counter()
-                handles.append(sender.write(peer, blocks, blocks, [layer], "", 60.0))
+                stream.layer_done(layer)
                 hook_time[0] += time.perf_counter() - h0
 
             t0 = time.perf_counter()
             runner.forward(chunk, layer_hook=hook)
             t_fwd = time.perf_counter()
-            if any(h.wait() is not TransferState.DONE for h in handles):
-                raise RuntimeError("a streamed layer did not complete")
+            if stream.wait() is not TransferState.DONE:
+                raise RuntimeError(f"a streamed layer did not complete: {stream.error}")
             t_end = time.perf_counter()
             streamed.append(t_end - t0)
             exposed.append(hook_time[0] + (t_end - t_fwd))

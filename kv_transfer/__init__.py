@@ -2,7 +2,7 @@
 
 One interface (``KVTransport``, ``TransferHandle``, ``CompatKey`` in ``base``), four backends chosen
 by name (``--kv-transport nixl|torch|tcp|local``), receiver-side landing tracking (``landing``) and
-source-side leases (``leases``). Knows nothing of routing, gRPC or HTTP.
+source-side leases (``leases``), layer-wise streaming from the model runner's hook (``stream``). Knows nothing of routing, gRPC or HTTP.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from kv_transfer.base import (ABORTED_PREFIX, PROTOCOL_VERSION, CompatKey, Incom
                               KVTransport, TransferHandle, TransferState, TransportUnavailable, UnknownPeer)
 from kv_transfer.landing import LandingTracker, layers_tag, parse_tag
 from kv_transfer.leases import Lease, LeaseTable
+from kv_transfer.stream import LayerStream
 
 BACKENDS = ("nixl", "torch", "tcp", "local")
 
@@ -47,5 +48,5 @@ def create_transport(name: str, **opts: Any) -> KVTransport:
 
 
 __all__ = ["ABORTED_PREFIX", "BACKENDS", "PROTOCOL_VERSION", "CompatKey", "IncompatiblePeer", "KVTransferError",
-           "KVTransport", "LandingTracker", "Lease", "LeaseTable", "TransferHandle", "TransferState",
+           "KVTransport", "LandingTracker", "LayerStream", "Lease", "LeaseTable", "TransferHandle", "TransferState",
            "TransportUnavailable", "UnknownPeer", "create_transport", "layers_tag", "parse_tag"]

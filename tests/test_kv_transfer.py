@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from engine.kv_cache import KVCacheSpec
-from kv_transfer import (ABORTED_PREFIX, CompatKey, IncompatiblePeer, TransferState, create_transport,
-                         layers_tag)
+from kv_transfer import (ABORTED_PREFIX, CompatKey, IncompatiblePeer, LayerStream, TransferState,
+                         create_transport, layers_tag)
 from kv_transfer_peer import MODEL_ID, PeerProcess, digest, make_cache
 
 BACKENDS = ["nixl", "torch", "tcp"]
@@ -73,6 +73,7 @@ def note_arrived(peer: PeerProcess, slot: str, note: str) -> bool:
 # Scattered destinations (of 32 blocks), with runs consecutive on both sides that coalesce.
 SCATTER_1 = ([2, 3, 4, 9, 15, 16, 21, 27, 30], [17, 18, 19, 0, 5, 6, 31, 11, 24])
 SCATTER_2 = ([0, 1, 5, 6, 7, 8, 12, 13, 22, 23, 28, 31], [30, 2, 9, 10, 11, 1, 25, 26, 14, 3, 20, 21])
+SCATTER_3 = ([10, 11, 14, 17, 18, 19, 25], [7, 8, 29, 12, 13, 4, 16])
 
 
 def test_scattered_write_layer_by_layer_lands_byte_exact(pair):
@@ -103,6 +104,22 @@ def test_scattered_write_whole_request_lands_byte_exact(pair):
     handle = side.transport.write(side.peer, src, dst, layers, layers_tag("req-whole", layers), TIMEOUT_S)
     assert handle.wait() is TransferState.DONE, handle.error
     wait_for(lambda: peer.call("complete", "small", "req-whole"), what="request complete")
+    for layer in layers:
+        assert peer.call("digest", "small", layer, dst) == digest(side.cache, layer, src), f"layer {layer} differs"
+
+
+def test_layer_stream_from_a_forward_hook_lands_every_layer(pair):
+    backend, peer, sides = pair
+    side = sides["small"]
+    src, dst = SCATTER_3
+    layers = range(SMALL["num_layers"])
+    assert all(peer.call("digest", "small", layer, dst) != digest(side.cache, layer, src) for layer in layers)
+    peer.call("expect", "small", "req-stream", SMALL["num_layers"])
+    stream = LayerStream(side.transport, side.peer, src, dst, "req-stream", SMALL["num_layers"], TIMEOUT_S)
+    for layer in layers:  # what ModelRunner.forward(..., layer_hook=stream.layer_done) does
+        stream.layer_done(layer)
+    assert stream.wait() is TransferState.DONE, stream.error
+    wait_for(lambda: peer.call("complete", "small", "req-stream"), what="request complete")
     for layer in layers:
         assert peer.call("digest", "small", layer, dst) == digest(side.cache, layer, src), f"layer {layer} differs"
 

@@ -237,3 +237,21 @@ def test_nixl_descriptors_address_each_run_of_each_layer_k_then_v():
                 for layer in (2, 0) for kv in (0, 1) for s, c in ((0, 2), (5, 1))]
     assert [tuple(int(x) for x in row) for row in local] == want_local
     assert [tuple(int(x) for x in row) for row in far] == want_far
+
+
+def test_layer_stream_issues_one_tagged_write_per_layer_and_reports_bad_blocks():
+    from kv_transfer import LayerStream
+    a, b = create_transport("local"), create_transport("local")
+    compat = CompatKey.from_spec(SPEC, MODEL_ID)
+    ca, cb = make_cache(SPEC, 1), make_cache(SPEC, 2)
+    a.register_cache(ca, compat)
+    peer = a.add_peer(b.register_cache(cb, compat))
+    stream = LayerStream(a, peer, [0, 1], [5, 6], "r", SPEC.num_layers, 5.0)
+    for layer in (2, 0, 1):
+        stream.layer_done(layer)
+    assert stream.wait() is TransferState.DONE
+    assert sorted(b.poll_notifications()) == ["r@0", "r@1", "r@2"]
+    assert all(digest(cb, layer, [5, 6]) == digest(ca, layer, [0, 1]) for layer in range(SPEC.num_layers))
+    bad = LayerStream(a, peer, [0], [99], "bad", 1, 5.0)
+    bad.layer_done(0)
+    assert bad.wait() is TransferState.FAILED and "out of range" in bad.error
