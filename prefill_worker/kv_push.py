@@ -68,7 +68,8 @@ class KVPusher:
                     push.sent.update(range(first, first + len(src)))
 
     async def finish(self, request_id: str, src_blocks: list[int]) -> tuple[int, float]:
-        """Send what the layer hook did not, wait for every write; returns (bytes, seconds).
+        """Send what the layer hook did not, wait for every write; returns (bytes, seconds waited here:
+        the transfer time not hidden behind the prefill compute).
 
         Raises TransferFailed if any write did not land (the caller aborts the request)."""
         with self._lock:
@@ -80,6 +81,7 @@ class KVPusher:
                 self._write(push, request_id, [src_blocks[i] for i in missing], [push.dst_blocks[i] for i in missing],
                             list(range(self.num_layers)))
             handles = list(push.handles)
+        waited_from = time.perf_counter()
         states = await asyncio.gather(*(h.wait_async() for h in handles))
         with self._lock:
             self._pushes.pop(request_id, None)
@@ -89,7 +91,7 @@ class KVPusher:
         if bad:
             raise TransferFailed(f"{len(bad)} of {len(handles)} KV writes did not land: {bad[0].error or bad[0].state.name}")
         self.total_bytes += push.nbytes
-        return push.nbytes, time.perf_counter() - push.started
+        return push.nbytes, time.perf_counter() - waited_from
 
     async def cancel(self, request_id: str) -> None:
         """Cancel the request's writes and wait until none can still land."""
