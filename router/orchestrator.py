@@ -118,13 +118,15 @@ class Orchestrator:
             request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
             lease_seconds=self.config.reservation_lease_s), deadline)
         p, first = await self._prefill_with_retry(legs, prompt_ids, sampling, reserve.destination, deadline)
-        yield Tokens([first.first_token_id], first.finish_reason or None, first.usage, first.kv_bytes,
-                     first.transfer_seconds)
+        first_tokens = Tokens([first.first_token_id], first.finish_reason or None, first.usage, first.kv_bytes,
+                              first.transfer_seconds)
         if first.finish_reason:  # the first token ended it: D's reservation is not needed
             legs.finished = True
             self._spawn(self._release(p, rid))
             self._spawn(self._abort(d, rid))
+            yield first_tokens
             return
+        yield first_tokens
         call = d.stub.Decode(worker_pb2.DecodeRequest(request_id=rid, first_token_id=first.first_token_id),
                              timeout=_remaining(deadline))
         released = False
