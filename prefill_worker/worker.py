@@ -25,7 +25,7 @@ import grpc
 from decode_worker.base import WorkerCore, WorkerError, usage_pb
 from kv_transfer.leases import LeaseTable
 from prefill_worker.kv_push import KVPusher, TransferFailed
-from proto.pdserve.v1 import api_pb2, worker_pb2
+from proto.pdserve.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 
