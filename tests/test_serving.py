@@ -268,3 +268,53 @@ def test_cancellation_at_every_stage_leaks_nothing(serving, stage):
     text = "".join(m.text for m in _stub(serving).Generate(_chat_request("Say hi.", temperature=0, max_tokens=4)))
     assert text
     assert_idle(serving)
+
+
+def test_http_client_disconnect_mid_stream_leaks_nothing(serving):
+    import httpx
+
+    body = {"model": MODEL, "prompt": "Write a long story about a dragon.", "max_tokens": 200, "temperature": 0,
+            "stream": True}
+    for _ in range(5):
+        with httpx.stream("POST", f"{serving.http_base_url}/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # one chunk, then hang up
+    assert_idle(serving)
+
+
+def test_short_prompts_are_prefilled_on_the_decode_worker(serving):
+    """Conditional disaggregation: below --local-prefill-threshold the decode worker does it all,
+    with the same greedy text as the disaggregated path."""
+    from router.app import Router, RouterConfig
+    from router.registry import CallableRegistry
+
+    prompt = "The three primary colors are"
+
+    async def run() -> tuple[str, int]:
+        router = Router(CallableRegistry(serving.controller.list_workers),
+                        RouterConfig(port=0, http_port=None, mode="disagg", local_prefill_threshold=64))
+        ep = await router.start()
+        calls = {"n": 0}
+        orig = router.orchestrator._prefill_with_retry
+
+        async def counting(*args, **kwargs):
+            calls["n"] += 1
+            return await orig(*args, **kwargs)
+
+        router.orchestrator._prefill_with_retry = counting
+        try:
+            async with grpc.aio.insecure_channel(ep.grpc) as ch:
+                req = api_pb2.GenerateRequest(model=MODEL, prompt=prompt,
+                                              sampling=api_pb2.SamplingOptions(temperature=0, max_tokens=12))
+                text = "".join([m.text async for m in api_pb2_grpc.GenerationStub(ch).Generate(req, timeout=60)])
+            return text, calls["n"]
+        finally:
+            await router.stop()
+
+    local_text, prefill_calls = serving.call(run(), 120)
+    disagg_text = "".join(m.text for m in _stub(serving).Generate(api_pb2.GenerateRequest(
+        model=MODEL, prompt=prompt, sampling=api_pb2.SamplingOptions(temperature=0, max_tokens=12))))
+    assert prefill_calls == 0 and local_text == disagg_text and local_text
+    assert_idle(serving)
