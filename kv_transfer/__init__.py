@@ -2,7 +2,8 @@
 
 One interface (``KVTransport``, ``TransferHandle``, ``CompatKey`` in ``base``), four backends chosen
 by name (``--kv-transport nixl|torch|tcp|local``), receiver-side landing tracking (``landing``) and
-source-side leases (``leases``), layer-wise streaming from the model runner's hook (``stream``). Knows nothing of routing, gRPC or HTTP.
+source-side leases (``leases``), layer-wise streaming from the model runner's hook (``stream``).
+Knows nothing of routing, gRPC or HTTP.
 """
 
 from __future__ import annotations

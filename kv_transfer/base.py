@@ -106,7 +106,8 @@ class CompatKey:
         for f in fields(cls):
             want = int if f.name not in ("model_id", "kv_dtype", "layout") else str
             if type(kwargs[f.name]) is not want:
-                raise IncompatiblePeer(f"peer compatibility key field {f.name}={kwargs[f.name]!r} is not {want.__name__}")
+                raise IncompatiblePeer(f"peer compatibility key field {f.name}={kwargs[f.name]!r} "
+                                       f"is not {want.__name__}")
         return cls(**kwargs)
 
 

@@ -53,14 +53,16 @@ class FramedTransport(KVTransport):
     def write(self, peer: str, src_blocks: Sequence[int], dst_blocks: Sequence[int], layers: Sequence[int],
               notify: str, timeout_s: float) -> TransferHandle:
         cache, session = self._require_cache(), self._session(peer)
-        src_blocks, dst_blocks = check_blocks(src_blocks, dst_blocks, cache.spec.num_blocks, session.peer_num_blocks)
+        src_blocks, dst_blocks = check_blocks(src_blocks, dst_blocks, cache.spec.num_blocks,
+                                              session.peer_num_blocks)
         descs = plan(check_layers(layers, cache.spec.num_layers), coalesce(src_blocks, dst_blocks))
         return session.start_write(descs, notify, timeout_s)
 
     def read(self, peer: str, remote_blocks: Sequence[int], local_blocks: Sequence[int], layers: Sequence[int],
              timeout_s: float, notify: str = "") -> TransferHandle:
         cache, session = self._require_cache(), self._session(peer)
-        remote_blocks, local_blocks = check_blocks(remote_blocks, local_blocks, session.peer_num_blocks, cache.spec.num_blocks)
+        remote_blocks, local_blocks = check_blocks(remote_blocks, local_blocks, session.peer_num_blocks,
+                                                   cache.spec.num_blocks)
         descs = plan(check_layers(layers, cache.spec.num_layers), coalesce(remote_blocks, local_blocks))
         return session.start_read(descs, notify, timeout_s)
 

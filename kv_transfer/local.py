@@ -57,7 +57,8 @@ class LocalTransport(KVTransport):
     def write(self, peer: str, src_blocks: Sequence[int], dst_blocks: Sequence[int], layers: Sequence[int],
               notify: str, timeout_s: float) -> TransferHandle:
         other = self._peer(peer)
-        src_blocks, dst_blocks = check_blocks(src_blocks, dst_blocks, self.cache.spec.num_blocks, other.cache.spec.num_blocks)
+        src_blocks, dst_blocks = check_blocks(src_blocks, dst_blocks, self.cache.spec.num_blocks,
+                                              other.cache.spec.num_blocks)
         descs = plan(check_layers(layers, self.cache.spec.num_layers), coalesce(src_blocks, dst_blocks))
         handle = self._copy(descs, self.cache, other.cache, peer, notify, timeout_s)
         if notify:
@@ -67,7 +68,8 @@ class LocalTransport(KVTransport):
     def read(self, peer: str, remote_blocks: Sequence[int], local_blocks: Sequence[int], layers: Sequence[int],
              timeout_s: float, notify: str = "") -> TransferHandle:
         other = self._peer(peer)
-        remote_blocks, local_blocks = check_blocks(remote_blocks, local_blocks, other.cache.spec.num_blocks, self.cache.spec.num_blocks)
+        remote_blocks, local_blocks = check_blocks(remote_blocks, local_blocks, other.cache.spec.num_blocks,
+                                                   self.cache.spec.num_blocks)
         descs = plan(check_layers(layers, self.cache.spec.num_layers), coalesce(remote_blocks, local_blocks))
         handle = self._copy(descs, other.cache, self.cache, peer, notify, timeout_s)
         if notify:

@@ -51,7 +51,8 @@ class NixlTransport(KVTransport):
 
     name = "nixl"
 
-    def __init__(self, agent_name: str | None = None, ucx_devices: str = "", progress_interval_s: float = 0.0005) -> None:
+    def __init__(self, agent_name: str | None = None, ucx_devices: str = "",
+                 progress_interval_s: float = 0.0005) -> None:
         nixl_agent, nixl_agent_config = _import_nixl()
         self.agent_name = agent_name or f"pdserve-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])

@@ -28,8 +28,12 @@ class LayerStream:
     """One request's layer-by-layer push to one peer. ``layer_done`` is safe from any thread."""
 
     def __init__(self, transport: KVTransport, peer: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
-                 request_id: str, num_layers: int, timeout_s: float) -> None:
+                 request_id: str, num_layers: int, timeout_s: float, tagged: bool = True) -> None:
+        """``tagged=False`` for the non-final chunks of a chunked prefill: their layers land without
+        notifications (the receiver would otherwise count a layer landed after its first chunk).
+        Start the final chunk's (tagged) stream once the earlier streams' ``wait`` returned DONE."""
         self.transport, self.peer = transport, peer
+        self.tagged = tagged
         self.src_blocks, self.dst_blocks = list(src_blocks), list(dst_blocks)
         self.request_id, self.num_layers, self.timeout_s = request_id, num_layers, timeout_s
         self.handles: list[TransferHandle] = []
@@ -47,8 +51,9 @@ class LayerStream:
         while self._pending:
             layer = self._pending.popleft()
             try:
-                self.handles.append(self.transport.write(self.peer, self.src_blocks, self.dst_blocks, [layer],
-                                                         layers_tag(self.request_id, [layer]), self.timeout_s))
+                notify = layers_tag(self.request_id, [layer]) if self.tagged else ""
+                self.handles.append(self.transport.write(self.peer, self.src_blocks, self.dst_blocks, [layer], notify,
+                                                         self.timeout_s))
             except Exception as e:  # bad blocks / unknown peer: the stream fails, nothing is sent
                 self.error = f"layer {layer}: {e}"
                 failed = TransferHandle(self.peer, layers_tag(self.request_id, [layer]), self.timeout_s, 0)

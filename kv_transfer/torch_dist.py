@@ -90,7 +90,8 @@ class TorchDistTransport(FramedTransport):
             self.compat.check_matches(CompatKey.from_dict(request.get("compat")))
             peer_id, peer_num_blocks = str(request["peer_id"]), int(request["num_blocks"])
         except (IncompatiblePeer, KeyError, TypeError, ValueError) as e:
-            self._store.set(f"join/{index}/reply", str(e) if isinstance(e, IncompatiblePeer) else f"bad join request: {e!r}")
+            reason = str(e) if isinstance(e, IncompatiblePeer) else f"bad join request: {e!r}"
+            self._store.set(f"join/{index}/reply", reason)
             return
         self._store.set(f"join/{index}/reply", "ok")
         self._start_pair(self._store, index, rank=1, peer_id=peer_id, peer_num_blocks=peer_num_blocks)

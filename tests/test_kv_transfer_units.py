@@ -46,8 +46,9 @@ def test_byte_offset_matches_the_cache_tensor_layout():
     assert view.data_ptr() - cache.data.data_ptr() == byte_offset(SPEC.num_blocks, SPEC.block_bytes, 2, 1, 5)
 
 
-@pytest.mark.parametrize("src, dst, message", [([1, 2], [3], "2 source blocks but 1"), ([1, 16], [0, 1], "out of range"),
-                                               ([1, 2], [3, 3], "repeat"), ([], [], "no blocks")])
+@pytest.mark.parametrize("src, dst, message", [([1, 2], [3], "2 source blocks but 1"),
+                                               ([1, 16], [0, 1], "out of range"), ([1, 2], [3, 3], "repeat"),
+                                               ([], [], "no blocks"), ([0.5], [1], "integers")])
 def test_bad_block_lists_are_refused(src, dst, message):
     with pytest.raises(ValueError, match=message):
         check_blocks(src, dst, 16, 16)
