@@ -20,7 +20,7 @@ import torch
 
 from kv_transfer.base import ABORTED_PREFIX, TransferHandle, TransferState
 from kv_transfer.plan import Desc, region
-from kv_transfer.wire import DESC, FLAG_READ, Header, Kind, ProtocolError, pack_descs, unpack_descs
+from kv_transfer.wire import DESC, FLAG_READ, FLAG_STOP, Header, Kind, ProtocolError, pack_descs, unpack_descs
 
 Payload = Union[bytes, torch.Tensor, None]
 Frame = tuple[Header, Payload]
@@ -62,7 +62,7 @@ class SessionHandle(TransferHandle):
 
     def _request_cancel(self) -> None:
         if self.is_read:  # the source must stop; a write's own frame generator notices the flag
-            self.session.send(iter([control(Kind.ABORT, self.transfer_id, flags=FLAG_READ)]))
+            self.session.send(iter([control(Kind.ABORT, self.transfer_id, flags=FLAG_READ | FLAG_STOP)]))
 
     def _on_timeout(self) -> None:
         self._request_cancel()
@@ -171,10 +171,11 @@ class PeerSession:
         return [iter([control(Kind.ACK, h.tid, flags=read, count=TransferState.DONE)])]
 
     def _on_abort(self, h: Header, body: bytes) -> list[FrameStream]:
-        read = h.flags & FLAG_READ
-        if read and h.tid in self.served:  # the requester asks us to stop serving its read
-            self.served[h.tid].cancelled = True
+        if h.flags & FLAG_STOP:  # the requester asks us to stop serving its read
+            if h.tid in self.served:
+                self.served[h.tid].cancelled = True
             return []
+        read = h.flags & FLAG_READ
         notify = self.incoming.pop((h.tid, read), None)
         if read:
             self._finish(h.tid, TransferState.CANCELLED)

@@ -19,8 +19,9 @@ READ       pull request ``tid``; body: ``n`` packed descriptors then the notify 
 NOTIFY     a standalone notification; body: the message
 BYE        orderly close
 =========  =======================================================================================
-``FLAG_READ`` marks frames that belong to a read (pull): the data stream of a read response, the
-requester's ACK of it, and the requester's ABORT asking the source to stop.
+``FLAG_READ`` marks frames that belong to a read (pull): the data stream of a read response and
+the requester's ACK of it. ``FLAG_STOP`` marks the requester's ABORT asking the source to stop
+serving its read (the source then ends the stream with an ABORT of its own).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ HEADER = struct.Struct("<BBxxQiiiiQ")
 DESC = struct.Struct("<iiiii")
 MAX_CONTROL_BODY = 1 << 20
 FLAG_READ = 1
+FLAG_STOP = 2
 
 
 class Kind(enum.IntEnum):

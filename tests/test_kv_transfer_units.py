@@ -256,3 +256,72 @@ def test_layer_stream_issues_one_tagged_write_per_layer_and_reports_bad_blocks()
     bad = LayerStream(a, peer, [0], [99], "bad", 1, 5.0)
     bad.layer_done(0)
     assert bad.wait() is TransferState.FAILED and "out of range" in bad.error
+
+
+class FramePipe:
+    """Two PeerSessions wired back to back in memory, frames delivered one at a time (for exact
+    interleavings of cancels with data)."""
+
+    def __init__(self) -> None:
+        import collections
+        self.caches = [make_cache(SPEC, 1), make_cache(SPEC, 2)]
+        self.notes = [NotificationQueue(), NotificationQueue()]
+        self.sessions = [PeerSession(f"s{i}", c.data, SPEC.block_bytes, SPEC.num_blocks, n)
+                         for i, (c, n) in enumerate(zip(self.caches, self.notes))]
+        self.queues = [collections.deque(), collections.deque()]  # streams sent by side i
+        for i, s in enumerate(self.sessions):
+            s.send = self.queues[i].append
+
+    def step(self, side: int) -> bool:
+        """Deliver the next frame sent by ``side`` to the other side; False if none."""
+        queue, other = self.queues[side], self.sessions[1 - side]
+        while queue:
+            frame = next(queue[0], None)  # streams are iterators: generators or iter([...])
+            if frame is None:
+                queue.popleft()
+                continue
+            header, payload = frame
+            dest = other.on_header(header)
+            if dest is not None:
+                dest.copy_(payload)
+            else:
+                body = payload.numpy().tobytes() if isinstance(payload, torch.Tensor) else (payload or b"")
+                self.queues[1 - side].extend(iter(stream) for stream in other.on_frame(header, body))
+            return True
+        return False
+
+    def drain(self) -> None:
+        while self.step(0) or self.step(1):
+            pass
+
+
+def test_framed_protocol_write_cancel_between_descriptors_reports_aborted_and_stops():
+    pipe = FramePipe()
+    a = pipe.sessions[0]
+    handle = a.start_write(plan([0, 1, 2], [Run(0, 0, 4)]), "req@0,1,2", 5.0)
+    for _ in range(3):  # BEGIN, DATA layer 0 K, DATA layer 0 V
+        assert pipe.step(0)
+    handle.cancel()
+    assert handle.state is TransferState.PENDING  # not confirmed yet
+    pipe.drain()
+    assert handle.state is TransferState.CANCELLED
+    assert pipe.notes[1].drain() == [ABORTED_PREFIX + "req@0,1,2"]
+    assert digest(pipe.caches[1], 0, [0, 1, 2, 3]) == digest(pipe.caches[0], 0, [0, 1, 2, 3])
+    assert digest(pipe.caches[1], 1, [0, 1, 2, 3]) != digest(pipe.caches[0], 1, [0, 1, 2, 3])
+
+
+def test_framed_protocol_read_lands_and_notifies_source_and_can_be_cancelled():
+    pipe = FramePipe()
+    a = pipe.sessions[0]
+    done = a.start_read(plan([1], [Run(2, 7, 3)]), "pulled", 5.0)  # remote 2..4 -> local 7..9
+    pipe.drain()
+    assert done.state is TransferState.DONE
+    assert digest(pipe.caches[0], 1, [7, 8, 9]) == digest(pipe.caches[1], 1, [2, 3, 4])
+    assert pipe.notes[1].drain() == ["pulled"] and pipe.notes[0].drain() == []
+    cancelled = a.start_read(plan([0, 2], [Run(0, 0, 2)]), "never", 5.0)
+    assert pipe.step(0)  # READ reaches the source, which queues its response stream
+    assert pipe.step(1) and pipe.step(1)  # BEGIN, first DATA
+    cancelled.cancel()
+    pipe.drain()
+    assert cancelled.state is TransferState.CANCELLED and pipe.notes[1].drain() == []
+    assert digest(pipe.caches[0], 2, [0, 1]) != digest(pipe.caches[1], 2, [0, 1])
