@@ -4,6 +4,9 @@
 - decode: ms per step (forward + argmax) at each batch size, every sequence holding --context
   tokens of context when timing starts.
 
+Both sides are timed alternately (median of the repeats) and compared by CPU time, which other
+processes on a shared machine do not inflate; wall times are in the JSON too.
+
 Prints a table and writes JSON (``--json``). Run as ``pdserve bench engine`` or ``python -m bench.engine``.
 Speed is measured here, never in tests.
 """
@@ -64,29 +67,24 @@ def _load(model: str, prompt_tokens: int, context: int):
     return ours, hf, tokens, cfg
 
 
-def _timed(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of fn over `repeats` calls after one warm-up."""
-    fn()
-    samples = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
-
-
-def _prefill(ours, hf, prompt: list[int]) -> dict:
+def _prefill(ours, hf, prompt: list[int], repeats: int = 3) -> dict:
     import torch
 
     from engine.batch import SeqChunk
 
     table = list(range(-(-len(prompt) // ours.block_size)))
-    ours_s = _timed(lambda: ours.forward([SeqChunk(prompt, 0, table)]), repeats=3)
     x = torch.tensor([prompt])
-    with torch.inference_mode():
-        hf_s = _timed(lambda: hf(x, attention_mask=torch.ones_like(x), use_cache=True, logits_to_keep=1), repeats=3)
-    return {"prompt_tokens": len(prompt), "ours_tok_s": len(prompt) / ours_s,
-            "transformers_tok_s": len(prompt) / hf_s, "ours_over_transformers": hf_s / ours_s}
+
+    def hf_prefill() -> None:
+        with torch.inference_mode():
+            hf(x, attention_mask=torch.ones_like(x), use_cache=True, logits_to_keep=1)
+
+    ours_t, hf_t = _interleaved(lambda: ours.forward([SeqChunk(prompt, 0, table)]), hf_prefill, repeats)
+    n = len(prompt)
+    return {"prompt_tokens": n,
+            "ours_tok_s": n / ours_t["cpu"], "transformers_tok_s": n / hf_t["cpu"],
+            "ours_tok_s_wall": n / ours_t["wall"], "transformers_tok_s_wall": n / hf_t["wall"],
+            "ours_over_transformers": hf_t["cpu"] / ours_t["cpu"]}
 
 
 def _decode(ours, hf, tokens: list[int], context: int, batch: int, steps: int) -> dict:
@@ -94,7 +92,7 @@ def _decode(ours, hf, tokens: list[int], context: int, batch: int, steps: int) -
 
     from engine.batch import SeqChunk
 
-    blocks_per_seq = -(-(context + steps + 1) // ours.block_size)
+    blocks_per_seq = -(-(context + steps + 2) // ours.block_size)
     tables = [list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)) for b in range(batch)]
     prompts = [tokens[b: b + context] for b in range(batch)]  # different contents, same length
     ours.forward([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)])
@@ -105,38 +103,48 @@ def _decode(ours, hf, tokens: list[int], context: int, batch: int, steps: int) -
         state["next"] = logits.argmax(-1).tolist()
         state["pos"] += 1
 
-    ours_ms = _step_ms(ours_step, steps)
-
     x = torch.tensor(prompts)
     with torch.inference_mode():
         out = hf(x, attention_mask=torch.ones_like(x), use_cache=True, logits_to_keep=1)
-        hf_state = {"past": out.past_key_values, "next": out.logits[:, -1].argmax(-1, keepdim=True),
-                    "mask": torch.ones_like(x)}
+    hf_state = {"past": out.past_key_values, "next": out.logits[:, -1].argmax(-1, keepdim=True),
+                "mask": torch.ones_like(x)}
 
-        def hf_step() -> None:
+    def hf_step() -> None:
+        with torch.inference_mode():
             hf_state["mask"] = torch.cat([hf_state["mask"], torch.ones(batch, 1, dtype=torch.long)], dim=1)
             o = hf(hf_state["next"], attention_mask=hf_state["mask"], past_key_values=hf_state["past"],
                    use_cache=True, logits_to_keep=1)
             hf_state["past"], hf_state["next"] = o.past_key_values, o.logits[:, -1].argmax(-1, keepdim=True)
 
-        hf_ms = _step_ms(hf_step, steps)
-    return {"batch": batch, "context": context, "ours_ms_per_step": ours_ms, "transformers_ms_per_step": hf_ms,
-            "ours_over_transformers": hf_ms / ours_ms}
+    ours_t, hf_t = _interleaved(ours_step, hf_step, steps)
+    return {"batch": batch, "context": context,
+            "ours_ms_per_step": 1000 * ours_t["cpu"], "transformers_ms_per_step": 1000 * hf_t["cpu"],
+            "ours_ms_per_step_wall": 1000 * ours_t["wall"], "transformers_ms_per_step_wall": 1000 * hf_t["wall"],
+            "ours_over_transformers": hf_t["cpu"] / ours_t["cpu"]}
 
 
-def _step_ms(step: Callable[[], None], steps: int) -> float:
-    step()  # warm-up
-    samples = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        step()
-        samples.append(time.perf_counter() - t)
-    return 1000 * statistics.median(samples)
+def _interleaved(ours: Callable[[], object], theirs: Callable[[], object], repeats: int) -> tuple[dict, dict]:
+    """Median wall and CPU seconds of each, timed alternately after one warm-up each.
+
+    On a shared machine other processes' load lands on both alike; the CPU time (process time,
+    all threads) does not count time spent waiting for a core, so the comparison uses it.
+    """
+    ours(), theirs()
+    samples: dict[str, dict[str, list[float]]] = {"ours": {"wall": [], "cpu": []}, "theirs": {"wall": [], "cpu": []}}
+    for _ in range(repeats):
+        for name, fn in (("ours", ours), ("theirs", theirs)):
+            wall, cpu = time.perf_counter(), time.process_time()
+            fn()
+            samples[name]["cpu"].append(time.process_time() - cpu)
+            samples[name]["wall"].append(time.perf_counter() - wall)
+    med = {name: {k: statistics.median(v) for k, v in d.items()} for name, d in samples.items()}
+    return med["ours"], med["theirs"]
 
 
 def _print_table(r: dict) -> None:
     p = r["prefill"]
-    print(f"model {r['model']}  {r['dtype']}  threads {r['threads']}   (speedup = transformers time / ours)")
+    print(f"model {r['model']}  {r['dtype']}  threads {r['threads']}   CPU time (wall in JSON); "
+          "speedup = transformers / ours")
     print(f"{'measure':<28}{'ours':>12}{'transformers':>14}{'speedup':>9}")
     print(f"{'prefill %d tok (tok/s)' % p['prompt_tokens']:<28}{p['ours_tok_s']:>12.0f}"
           f"{p['transformers_tok_s']:>14.0f}{p['ours_over_transformers']:>8.2f}x")

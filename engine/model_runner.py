@@ -72,7 +72,7 @@ class ModelRunner:
         self._check(chunks)
         input_ids, positions, logits_indices = self._flatten(chunks)
         meta = AttentionMetadata.build([c.start_pos for c in chunks], [c.num_tokens for c in chunks],
-                                       [c.block_table for c in chunks], self.block_size, self.device)
+                                       [c.block_table for c in chunks], self.block_size, self.device, self.dtype)
         return self.model(input_ids, positions, self.kv_cache, meta, logits_indices, self.ops, layer_hook)
 
     def _flatten(self, chunks: Sequence[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

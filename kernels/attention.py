@@ -33,17 +33,20 @@ class AttentionGroup:
     context_slots: [Bg, L] int64, slot of key position j of the group's sequence b (L = the
         group's max seq_len; rows padded with slot 0, masked out).
     padded_index: [Tg] int64, row of each group token in a padded [Bg * max_query_len] layout.
-    attn_mask: [Bg, 1, max_query_len, L] bool, True where query i of sequence b may attend key j
-        (causal: j <= start_pos + i, and j < seq_len). Padding query rows see every valid key,
-        so no row is fully masked.
+    attn_bias: [Bg, 1, max_query_len, L] additive mask in the attention dtype: 0 where query i of
+        sequence b may attend key j (causal: j <= start_pos + i, and j < seq_len), -inf elsewhere.
+        Padding query rows see every valid key, so no row is fully masked.
+    is_causal_prefill: one sequence whose chunk starts at position 0, so plain causal attention
+        over its own keys is exact (attn_bias is not needed).
     """
 
     token_index: torch.Tensor | None
     context_slots: torch.Tensor
     padded_index: torch.Tensor
-    attn_mask: torch.Tensor
+    attn_bias: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    is_causal_prefill: bool
 
     @property
     def num_seqs(self) -> int:
@@ -70,7 +73,7 @@ class AttentionMetadata:
     @classmethod
     def build(cls, start_pos: Sequence[int], query_lens: Sequence[int],
               block_tables: Sequence[Sequence[int]], block_size: int,
-              device: torch.device | str = "cpu") -> "AttentionMetadata":
+              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> "AttentionMetadata":
         """Metadata for sequences whose new tokens sit at ``start_pos[b] .. start_pos[b] + query_lens[b] - 1``.
 
         block_tables[b] must cover ``start_pos[b] + query_lens[b]`` tokens (checked by the caller).
@@ -90,7 +93,7 @@ class AttentionMetadata:
         short = [b for b, q in enumerate(query_lens) if q <= MAX_PADDED_QUERY_LEN]
         long = [b for b, q in enumerate(query_lens) if q > MAX_PADDED_QUERY_LEN]
         subsets = ([short] if short else []) + [[b] for b in long]
-        groups = tuple(_group(subset, start, qlen, first, table, block_size, len(subsets) == 1, device)
+        groups = tuple(_group(subset, start, qlen, first, table, block_size, len(subsets) == 1, device, dtype)
                        for subset in subsets)
         return cls(slot_mapping=slot_mapping.to(device), seq_lens=seq_lens.to(device),
                    query_start_loc=torch.cat([first, qlen.sum().view(1)]).to(device),
@@ -98,7 +101,7 @@ class AttentionMetadata:
 
 
 def _group(seqs: list[int], start: torch.Tensor, qlen: torch.Tensor, first: torch.Tensor, table: torch.Tensor,
-           block_size: int, covers_all: bool, device: torch.device | str) -> AttentionGroup:
+           block_size: int, covers_all: bool, device: torch.device | str, dtype: torch.dtype) -> AttentionGroup:
     idx = torch.tensor(seqs, dtype=torch.int64)
     g_start, g_qlen, g_first = start[idx], qlen[idx], first[idx]
     g_seq_lens = g_start + g_qlen
@@ -108,14 +111,16 @@ def _group(seqs: list[int], start: torch.Tensor, qlen: torch.Tensor, first: torc
     local = torch.repeat_interleave(torch.arange(len(seqs)), g_qlen)                       # [Tg]
     i_in_chunk = torch.arange(int(g_qlen.sum())) - (torch.cumsum(g_qlen, 0) - g_qlen)[local]
     causal_limit = g_start[:, None] + torch.arange(max_q)[None, :]                         # [Bg, Q]
-    mask = (j[None, None, :] <= causal_limit[:, :, None]) & (j[None, None, :] < g_seq_lens[:, None, None])
+    allowed = (j[None, None, :] <= causal_limit[:, :, None]) & (j[None, None, :] < g_seq_lens[:, None, None])
+    bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
     return AttentionGroup(
         token_index=None if covers_all else (g_first[local] + i_in_chunk).to(device),
         context_slots=context_slots.to(device),
         padded_index=(local * max_q + i_in_chunk).to(device),
-        attn_mask=mask[:, None].to(device),
+        attn_bias=bias[:, None].to(device),
         max_query_len=max_q,
         max_seq_len=max_l,
+        is_causal_prefill=len(seqs) == 1 and int(g_start[0]) == 0,
     )
 
 

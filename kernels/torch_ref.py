@@ -44,21 +44,50 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 def _attend_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   group: AttentionGroup, scale: float) -> torch.Tensor:
     """query [Tg, Hq, D] of the group's tokens -> [Tg, Hq, D]."""
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    num_groups = num_heads // num_kv_heads
-    num_seqs, max_q = group.num_seqs, group.max_query_len
-    keys = gather_context(key_cache, group).to(query.dtype)
+    keys = gather_context(key_cache, group).to(query.dtype)      # [Bg, Hkv, L, D]
     values = gather_context(value_cache, group).to(query.dtype)
-    dense = num_tokens == num_seqs * max_q  # every sequence has max_q new tokens (e.g. all decode)
+    if group.max_query_len == 1:
+        return _attend_decode(query, keys, values, group, scale)
+    if group.num_seqs == 1:
+        return _attend_one_sequence(query, keys, values, group, scale)
+    return _attend_padded(query, keys, values, group, scale)
+
+
+def _attend_decode(query, keys, values, group: AttentionGroup, scale: float) -> torch.Tensor:
+    """One query per sequence: a KV head's query heads become its rows, [Bg, Hkv, G, D], so K/V are
+    read once per KV head and the [Bg, 1, 1, L] bias broadcasts."""
+    num_seqs, num_kv_heads = keys.shape[:2]
+    num_tokens, num_heads, head_dim = query.shape
+    q = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.attn_bias, scale=scale)
+    return out.reshape(num_tokens, num_heads, head_dim)
+
+
+def _attend_one_sequence(query, keys, values, group: AttentionGroup, scale: float) -> torch.Tensor:
+    """A long chunk of one sequence: [1, Hq, Q, D]; plain causal when the chunk starts at 0."""
+    q = query.transpose(0, 1).unsqueeze(0)
+    if group.is_causal_prefill:
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.attn_bias, scale=scale,
+                                             enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _attend_padded(query, keys, values, group: AttentionGroup, scale: float) -> torch.Tensor:
+    """Short chunks of several sequences (verification): padded to [Bg, Q] queries."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs, num_kv_heads = keys.shape[:2]
+    num_groups, max_q = num_heads // num_kv_heads, group.max_query_len
+    dense = num_tokens == num_seqs * max_q
     padded = query if dense else query.new_zeros(num_seqs * max_q, num_heads, head_dim).index_copy_(
         0, group.padded_index, query)
     # [B, Q, Hkv, G, D] -> [B, Hkv, G * Q, D]: the query heads of one KV head share one K/V read.
     q = padded.view(num_seqs, max_q, num_kv_heads, num_groups, head_dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(num_seqs, num_kv_heads, num_groups * max_q, head_dim)
-    mask = group.attn_mask.expand(num_seqs, num_groups, max_q, group.max_seq_len).reshape(
+    bias = group.attn_bias.expand(num_seqs, num_groups, max_q, group.max_seq_len).reshape(
         num_seqs, 1, num_groups * max_q, group.max_seq_len)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=scale)
     out = out.view(num_seqs, num_kv_heads, num_groups, max_q, head_dim).permute(0, 3, 1, 2, 4)
     out = out.reshape(num_seqs * max_q, num_heads, head_dim)
     return out if dense else out.index_select(0, group.padded_index)

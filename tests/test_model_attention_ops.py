@@ -40,7 +40,8 @@ def scattered_tables(seqs, seed=0):
 @pytest.mark.parametrize("seqs", [
     [(0, 1), (7, 1), (30, 1)],                                # decode only: one dense group
     [(0, 20), (5, 1), (30, 3), (12, 17), (0, 1), (40, 40)],   # prefill chunks, decode, verification
-    [(0, MAX_PADDED_QUERY_LEN + 1)],                          # one long prefill
+    [(0, MAX_PADDED_QUERY_LEN + 1)],                          # one long prefill from 0 (causal)
+    [(9, MAX_PADDED_QUERY_LEN + 3), (2, 1)],                  # a long chunk after cached tokens
 ])
 def test_paged_attention_matches_naive_softmax(seqs):
     gen = torch.Generator().manual_seed(0)
