@@ -55,7 +55,8 @@ def load_prompts(dataset: str, path: Path | None, n: int) -> list[str]:
     path = path or Path(__file__).resolve().parents[2] / "shared" / "data" / "sharegpt_prompts.jsonl"
     if not path.exists():
         raise UserError(f"dataset file {path} not found: pass --dataset-path")
-    prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+    with path.open(encoding="utf-8") as f:  # not splitlines(): prompts may hold U+2028
+        prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
     if len(prompts) < n:
         raise UserError(f"{path} has {len(prompts)} prompts, --num-prompts asks for {n}")
     return prompts[:n]
@@ -142,8 +143,11 @@ def command(
     prompt_ids = [list(tokenizer.apply_chat_template(template(p), add_generation_prompt=True, tokenize=True)
                        ["input_ids"]) if chat else tokenizer(p)["input_ids"] for p in prompts]
     modes = ["continuous", "static"] if batching == "both" else [batching]
-    results = {m: run_mode(runner, tokenizer, prompt_ids, lengths, m, max_num_seqs, max_num_batched_tokens, None)
-               for m in modes}
+    results = {}
+    for m in modes:
+        results[m] = r = run_mode(runner, tokenizer, prompt_ids, lengths, m, max_num_seqs, max_num_batched_tokens,
+                                  None)
+        print(f"{m}: {r['output_throughput']:.1f} output tok/s in {r['duration_s']:.0f} s", flush=True)
     print_table(results)
     report: dict = dict(results)
     if len(modes) == 2:

@@ -10,6 +10,7 @@ A consumer that stops iterating (client disconnect, cancellation) aborts its req
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable, Sequence
@@ -52,8 +53,9 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             raise
         self._kick()
-        async for out in self._drain(request_id, queue):
-            yield out
+        async with contextlib.aclosing(self._drain(request_id, queue)) as outputs:  # close it with us
+            async for out in outputs:
+                yield out
 
     async def reserve_remote(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """Decode side: allocate blocks for the prompt's incoming KV (no compute). Returns their
@@ -73,8 +75,9 @@ class AsyncEngine:
         for out in early:
             queue.put_nowait(out)
         self._kick()
-        async for out in self._drain(request_id, queue):
-            yield out
+        async with contextlib.aclosing(self._drain(request_id, queue)) as outputs:
+            async for out in outputs:
+                yield out
 
     async def abort(self, request_id: str) -> None:
         """Free everything the request holds, at any state (queued, running, reserved, held).
