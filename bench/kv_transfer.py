@@ -7,8 +7,8 @@ transports (as a decode worker would; NIXL needs it, see MACHINE-NOTES). Three p
    written in runs of ``chunk`` bytes separated by gaps, so each descriptor is exactly one chunk
    (K and V of a run are two chunks). GiB/s = bytes / (``write`` call .. handle DONE), median of
    repeats; the memcpy column is a single-threaded ``copy_`` of as many bytes (at least 64 MiB),
-   measured right after each row in this run; ``ratio`` = backend / memcpy (``*_best``: fastest
-   repeat of each, less sensitive to other load on a shared machine).
+   its repeats alternating with the transfer's so both see the same load on a shared machine;
+   ``ratio`` = backend / memcpy (``*_best``: from the fastest repeat of each).
 2. The KV of a 1,000-token prompt in the SmolLM2-135M layout (30 layers, 3 KV heads, head dim 64,
    block size 16, fp32: 63 blocks, 46 MB), written whole and layer by layer.
 3. Overlap. Prefill a 1,000-token prompt with the real model; the runner's per-layer hook hands
@@ -167,9 +167,9 @@ class _Pair:
 
 
 # -- measurements -------------------------------------------------------------------------------
-def _repeat(fn, min_time_s: float, min_reps: int = 3, max_reps: int = 50) -> list[float]:
+def _repeat(fn, min_time_s: float, min_reps: int = 3, max_reps: int = 50) -> list:
     fn()  # warm-up (connection set-up, first-touch)
-    times: list[float] = []
+    times: list = []
     start = time.perf_counter()
     while len(times) < min_reps or (time.perf_counter() - start < min_time_s and len(times) < max_reps):
         times.append(fn())
@@ -185,9 +185,9 @@ def _timed_write(transport, peer: str, blocks: list[int], layers: list[int]) -> 
     return time.perf_counter() - t0
 
 
-def _memcpy_gib_s(nbytes: int, min_time_s: float) -> tuple[float, float]:
-    """Single-threaded copy of at least 64 MiB (DRAM-bound, like the transfers' working sets):
-    (median, best) GiB/s."""
+def _memcpy_timer(nbytes: int):
+    """A single-threaded copy of ``nbytes`` (at least 64 MiB: DRAM-bound, like the transfers'
+    working sets); returns (timer, bytes copied)."""
     import torch
     nbytes = max(nbytes, 64 << 20)
     src, dst = torch.rand(nbytes // 4), torch.empty(nbytes // 4)
@@ -196,23 +196,26 @@ def _memcpy_gib_s(nbytes: int, min_time_s: float) -> tuple[float, float]:
         t0 = time.perf_counter()
         dst.copy_(src)
         return time.perf_counter() - t0
-    times = _repeat(once, min_time_s)
-    return nbytes / statistics.median(times) / 2**30, nbytes / min(times) / 2**30
+    return once, nbytes
 
 
 def _bandwidth_row(pair: _Pair, chunk: int, min_time_s: float) -> dict[str, Any]:
+    import numpy as np
     per_run = chunk // 1024
     n_runs = max(1, min(MAX_RUNS, BW_NUM_BLOCKS // (2 * per_run)))
     stride = BW_NUM_BLOCKS // n_runs
-    import numpy as np
-    blocks = (np.arange(n_runs)[:, None] * stride + np.arange(per_run)[None, :]).reshape(-1)  # ids as an array:
-    nbytes = 2 * len(blocks) * 1024  # K and V                    # no per-call list conversion in the timing
-    times = _repeat(lambda: _timed_write(pair.bw, pair.bw_peer, blocks, [0]), min_time_s)
+    # block ids as an array: no per-call list conversion inside the timed region
+    blocks = (np.arange(n_runs)[:, None] * stride + np.arange(per_run)[None, :]).reshape(-1)
+    nbytes = 2 * len(blocks) * 1024  # K and V
+    memcpy, memcpy_bytes = _memcpy_timer(nbytes)
+    # alternate transfer and memcpy repeats, so both see the same load on a shared machine
+    pairs = _repeat(lambda: (_timed_write(pair.bw, pair.bw_peer, blocks, [0]), memcpy()), min_time_s)
+    times, copies = [p[0] for p in pairs], [p[1] for p in pairs]
     gib_s, best = nbytes / statistics.median(times) / 2**30, nbytes / min(times) / 2**30
-    memcpy, memcpy_best = _memcpy_gib_s(nbytes, min_time_s)
-    return {"backend": pair.backend, "chunk_bytes": chunk, "gib_s": round(gib_s, 3), "memcpy_gib_s": round(memcpy, 3),
-            "ratio": round(gib_s / memcpy, 3), "gib_s_best": round(best, 3), "memcpy_gib_s_best": round(memcpy_best, 3),
-            "ratio_best": round(best / memcpy_best, 3), "descriptors": 2 * n_runs, "bytes": nbytes,
+    mem, mem_best = memcpy_bytes / statistics.median(copies) / 2**30, memcpy_bytes / min(copies) / 2**30
+    return {"backend": pair.backend, "chunk_bytes": chunk, "gib_s": round(gib_s, 3), "memcpy_gib_s": round(mem, 3),
+            "ratio": round(gib_s / mem, 3), "gib_s_best": round(best, 3), "memcpy_gib_s_best": round(mem_best, 3),
+            "ratio_best": round(best / mem_best, 3), "descriptors": 2 * n_runs, "bytes": nbytes,
             "repeats": len(times)}
 
 
