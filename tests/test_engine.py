@@ -157,8 +157,9 @@ def test_hold_kv_then_remote_decode_continues_the_sequence(runner, tokenizer, pr
 def test_reservation_that_does_not_fit_leaves_nothing(runner, tokenizer, prompts):
     from engine.scheduler import CapacityError
 
-    eng = engine(runner, tokenizer, num_blocks=40)
-    eng.reserve_remote("a", prompts[0], GREEDY)  # 28 blocks
+    need = -(-len(prompts[0]) // 16)
+    eng = engine(runner, tokenizer, num_blocks=need + need // 2)  # room for one reservation, not two
+    eng.reserve_remote("a", prompts[0], GREEDY)
     used = eng.stats().kv_blocks_used
     with pytest.raises(CapacityError):
         eng.reserve_remote("b", prompts[0], GREEDY)
