@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import filecmp
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -25,22 +26,20 @@ def proto_files() -> list[Path]:
 
 
 def generate(out_root: Path) -> list[Path]:
-    """Compile every .proto into out_root (mirroring proto/pdserve/v1); return the files written."""
-    from grpc_tools import protoc  # build-time dependency only
-    import grpc_tools
+    """Compile every .proto into out_root (mirroring proto/pdserve/v1); return the files written.
+
+    protoc runs in a child process: grpc_tools' extension crashed (SIGSEGV) when loaded into a
+    process that already holds torch and nixl, as a full test session does.
+    """
+    import grpc_tools  # build-time dependency only
 
     include = str(Path(grpc_tools.__file__).parent / "_proto")
-    args = ["protoc", "-I.", f"-I{include}", f"--python_out={out_root}", f"--pyi_out={out_root}",
-            f"--grpc_python_out={out_root}"] + [str(p.relative_to(REPO_ROOT)) for p in proto_files()]
-    cwd = Path.cwd()
-    try:
-        import os
-
-        os.chdir(REPO_ROOT)
-        if protoc.main(args) != 0:
-            raise RuntimeError(f"protoc failed: {' '.join(args)}")
-    finally:
-        os.chdir(cwd)
+    args = [sys.executable, "-m", "grpc_tools.protoc", "-I.", f"-I{include}", f"--python_out={out_root}",
+            f"--pyi_out={out_root}", f"--grpc_python_out={out_root}"]
+    args += [str(p.relative_to(REPO_ROOT)) for p in proto_files()]
+    done = subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"protoc failed ({done.returncode}): {done.stderr.strip()}")
     return sorted(p for p in (out_root / PROTO_DIR).iterdir() if p.name.endswith(GENERATED_SUFFIXES))
 
 
