@@ -37,6 +37,8 @@ class _SamplingFields(BaseModel):
     top_p: float = 1.0
     seed: int | None = None
     stop: str | list[str] | None = None
+    top_k: int = Field(default=0, description="vLLM extension: keep the k most likely tokens (0 = all)")
+    ignore_eos: bool = Field(default=False, description="vLLM extension: generate past EOS until max_tokens")
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -44,8 +46,9 @@ class _SamplingFields(BaseModel):
 
     def sampling(self, max_tokens: int | None) -> Sampling:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return Sampling(temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-                        max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, stop=stop)
+        return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                        max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, stop=stop,
+                        ignore_eos=self.ignore_eos)
 
 
 class CompletionRequest(_SamplingFields):

@@ -120,3 +120,12 @@ def test_partial_stop_prefix_is_released_when_it_turns_out_not_to_be_one():
 def test_stop_string_inside_one_token_batch():
     out, stopped = _run([0, 1, 2, 5, 5], stop=["ld!"], step=5)
     assert stopped and "".join(out) == "Hello wor"
+
+
+def test_http_request_carries_vllm_sampling_extensions():
+    """`ignore_eos` and `top_k` (vLLM's extensions, used by benchmark clients) reach the workers."""
+    from router.http_server import CompletionRequest
+
+    s = CompletionRequest(prompt="hi", ignore_eos=True, top_k=5, max_tokens=7).sampling(7)
+    assert (s.ignore_eos, s.top_k, s.max_tokens) == (True, 5, 7)
+    assert CompletionRequest(prompt="hi").sampling(None).ignore_eos is False
