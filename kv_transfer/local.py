@@ -57,21 +57,21 @@ class LocalTransport(KVTransport):
     def write(self, peer: str, src_blocks: Sequence[int], dst_blocks: Sequence[int], layers: Sequence[int],
               notify: str, timeout_s: float) -> TransferHandle:
         other = self._peer(peer)
-        src_blocks, dst_blocks = check_blocks(src_blocks, dst_blocks, self.cache.spec.num_blocks,
-                                              other.cache.spec.num_blocks)
-        descs = plan(check_layers(layers, self.cache.spec.num_layers), coalesce(src_blocks, dst_blocks))
-        handle = self._copy(descs, self.cache, other.cache, peer, notify, timeout_s)
-        if notify:
-            other._notifications.put(notify)
-        return handle
+        return self._move(other, self.cache, other.cache, src_blocks, dst_blocks, layers, peer, notify, timeout_s)
 
     def read(self, peer: str, remote_blocks: Sequence[int], local_blocks: Sequence[int], layers: Sequence[int],
              timeout_s: float, notify: str = "") -> TransferHandle:
         other = self._peer(peer)
-        remote_blocks, local_blocks = check_blocks(remote_blocks, local_blocks, other.cache.spec.num_blocks,
-                                                   self.cache.spec.num_blocks)
-        descs = plan(check_layers(layers, self.cache.spec.num_layers), coalesce(remote_blocks, local_blocks))
-        handle = self._copy(descs, other.cache, self.cache, peer, notify, timeout_s)
+        return self._move(other, other.cache, self.cache, remote_blocks, local_blocks, layers, peer, notify,
+                          timeout_s)
+
+    def _move(self, other: "LocalTransport", src: PagedKVCache, dst: PagedKVCache, src_blocks: Sequence[int],
+              dst_blocks: Sequence[int], layers: Sequence[int], peer: str, notify: str,
+              timeout_s: float) -> TransferHandle:
+        """Copy src's blocks into dst's (either direction) and notify the peer: write and read alike."""
+        src_blocks, dst_blocks = check_blocks(src_blocks, dst_blocks, src.spec.num_blocks, dst.spec.num_blocks)
+        descs = plan(check_layers(layers, self.cache.spec.num_layers), coalesce(src_blocks, dst_blocks))
+        handle = self._copy(descs, src, dst, peer, notify, timeout_s)
         if notify:
             other._notifications.put(notify)
         return handle
