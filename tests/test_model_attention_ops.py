@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from kernels.attention import MAX_PADDED_QUERY_LEN, AttentionMetadata, get_attention_backend
+from kernels.attention import MAX_PADDED_QUERY_LEN, AttentionMetadata, get_attention_backend, partition_by_length
 
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, GROUP, HEAD_DIM = 64, 4, 2, 3, 8
 
@@ -42,6 +42,7 @@ def scattered_tables(seqs, seed=0):
     [(0, 20), (5, 1), (30, 3), (12, 17), (0, 1), (40, 40)],   # prefill chunks, decode, verification
     [(0, MAX_PADDED_QUERY_LEN + 1)],                          # one long prefill from 0 (causal)
     [(9, MAX_PADDED_QUERY_LEN + 3), (2, 1)],                  # a long chunk after cached tokens
+    [(0, 1), (120, 1), (2, 1), (1, 2), (110, 3)],             # short and long contexts: two groups
 ])
 def test_paged_attention_matches_naive_softmax(seqs):
     gen = torch.Generator().manual_seed(0)
@@ -53,6 +54,35 @@ def test_paged_attention_matches_naive_softmax(seqs):
     ops = get_attention_backend("torch")
     got = ops.paged_attention(query, key_cache, value_cache, meta, 0.3)
     assert (got - naive_attention(query, key_cache, value_cache, seqs, tables, 0.3)).abs().max().item() < 1e-5
+
+
+def test_mixed_context_lengths_are_split_into_groups():
+    meta = AttentionMetadata.build([0, 120, 2, 1, 110], [1, 1, 1, 2, 3], scattered_tables(
+        [(0, 1), (120, 1), (2, 1), (1, 2), (110, 3)]), BLOCK_SIZE)
+    assert sorted(g.max_seq_len for g in meta.groups) == [3, 121]
+
+
+def brute_force_cost(lens, overhead):
+    """Least cost over every split of the sorted lengths into contiguous runs."""
+    lens = sorted(lens)
+    if not lens:
+        return 0
+    return min(len(lens[:k]) * lens[k - 1] + overhead + brute_force_cost(lens[k:], overhead)
+               for k in range(1, len(lens) + 1))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_partition_by_length_is_optimal_and_covers_each_sequence_once(seed):
+    rng = random.Random(seed)
+    n, overhead = rng.randint(0, 8), rng.choice([0, 5, 64, 10**6])
+    seqs = rng.sample(range(100), n)
+    lens = [rng.randint(1, 300) for _ in range(n)]
+    groups = partition_by_length(seqs, lens, overhead)
+    assert sorted(s for g in groups for s in g) == sorted(seqs)
+    assert all(g == sorted(g, key=seqs.index) for g in groups)  # input order kept
+    length = dict(zip(seqs, lens))
+    cost = sum(len(g) * max(length[s] for s in g) + overhead for g in groups)
+    assert cost == brute_force_cost(lens, overhead)
 
 
 def test_write_kv_cache_follows_the_slot_mapping():
