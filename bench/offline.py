@@ -5,6 +5,12 @@ a seeded log-normal (--output-len-dist lognormal:MEDIAN:SIGMA:CAP, default 64:1.
 generated with EOS ignored, so each request produces exactly its length. Reports output and
 request throughput, mean/p99 request latency, KV usage peak, KV waste (allocated-but-unfilled
 slots over allocated slots, averaged over steps) and preemptions; writes JSON, prints a table.
+
+Static batching pads as HF ``generate`` does by default (prompts left-padded to the batch's
+longest, every row attending the longest context, KV reserved for the rectangle; see
+engine/static_batching.py); --no-static-padding runs a paged static batch instead, where only
+finished rows are padding. Both modes share one runner, its kernels and its KV cache (2 GiB by
+default, so a padded batch of 32 ShareGPT rows fits and both modes run 32 rows).
 """
 
 from __future__ import annotations
@@ -63,7 +69,8 @@ def load_prompts(dataset: str, path: Path | None, n: int) -> list[str]:
 
 
 def run_mode(runner, tokenizer, prompt_ids: list[list[int]], lengths: list[int], batching: str,
-             max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int | None) -> dict:
+             max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int | None,
+             static_padding: bool = True) -> dict:
     """Run every request through one engine in ``batching`` mode; return the metrics dict."""
     import numpy as np
 
@@ -72,7 +79,8 @@ def run_mode(runner, tokenizer, prompt_ids: list[list[int]], lengths: list[int],
     from engine.sampling_params import SamplingParams
 
     cfg = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, batching=batching,
-                                                 max_num_batched_tokens=max_num_batched_tokens),
+                                                 max_num_batched_tokens=max_num_batched_tokens,
+                                                 static_padding=static_padding),
                        cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=False))
     eng = LLMEngine(cfg, runner=runner, tokenizer=tokenizer, track_kv_waste=True)
     for i, (ids, n) in enumerate(zip(prompt_ids, lengths)):
@@ -93,6 +101,7 @@ def run_mode(runner, tokenizer, prompt_ids: list[list[int]], lengths: list[int],
         "kv_usage_peak": eng.kv_usage_peak, "kv_waste": float(np.mean(eng.kv_waste_samples)),
         "num_preemptions": st.num_preemptions, "num_steps": st.num_steps, "kv_blocks_total": st.kv_blocks_total,
         "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+        **({"static_padding": static_padding} if batching == "static" else {}),
     }
 
 
@@ -116,7 +125,9 @@ def command(
     max_num_batched_tokens: Annotated[int, typer.Option(min=1)] = 512,
     max_tokens: Annotated[Optional[int], typer.Option(min=1, help="fixed output length")] = None,
     output_len_dist: Annotated[str, typer.Option(help="lognormal:MEDIAN:SIGMA:CAP")] = DEFAULT_DIST,
-    num_kv_blocks: Annotated[Optional[int], typer.Option(help="KV blocks (default: 1 GiB of cache)")] = None,
+    num_kv_blocks: Annotated[Optional[int], typer.Option(help="KV blocks (default: 2 GiB of cache)")] = None,
+    static_padding: Annotated[bool, typer.Option(help="static: pad prompts to the batch's longest, as HF "
+                                                      "generate (--no-static-padding: a paged static batch)")] = True,
     chat: Annotated[bool, typer.Option(help="apply the chat template to prompts")] = True,
     seed: Annotated[int, typer.Option()] = 0,
     threads: Annotated[Optional[int], typer.Option(help="torch threads (default: all cores)")] = None,
@@ -138,7 +149,7 @@ def command(
     prompts = load_prompts(dataset, dataset_path, num_prompts)
     path = resolve_model(model)
     tokenizer = load_tokenizer(path)
-    runner = ModelRunner(path, block_size=16, num_blocks=num_kv_blocks, kv_cache_memory_bytes=2**30)
+    runner = ModelRunner(path, block_size=16, num_blocks=num_kv_blocks, kv_cache_memory_bytes=2 * 2**30)
     template = lambda p: [{"role": "user", "content": p}]  # noqa: E731
     prompt_ids = [list(tokenizer.apply_chat_template(template(p), add_generation_prompt=True, tokenize=True)
                        ["input_ids"]) if chat else tokenizer(p)["input_ids"] for p in prompts]
@@ -146,7 +157,7 @@ def command(
     results = {}
     for m in modes:
         results[m] = r = run_mode(runner, tokenizer, prompt_ids, lengths, m, max_num_seqs, max_num_batched_tokens,
-                                  None)
+                                  None, static_padding)
         print(f"{m}: {r['output_throughput']:.1f} output tok/s in {r['duration_s']:.0f} s", flush=True)
     print_table(results)
     report: dict = dict(results)
@@ -155,7 +166,8 @@ def command(
         report["continuous_over_static"] = ratio
         print(f"continuous / static output throughput: {ratio:.2f}x")
     report_meta = {"model": model, "num_prompts": num_prompts, "output_len": max_tokens or output_len_dist,
-                   "seed": seed, "mean_output_len": sum(lengths) / len(lengths)}
+                   "seed": seed, "mean_output_len": sum(lengths) / len(lengths),
+                   "static_padding": static_padding, "kv_blocks": runner.num_blocks}
     report["config"] = report_meta
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)

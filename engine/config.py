@@ -15,6 +15,11 @@ class SchedulerConfig:
     max_model_len: longest sequence (prompt + output); None = the model's context length.
     batching: "continuous" (iteration-level, Orca/vLLM) or "static" (HF generate style, for comparison).
     max_waiting: most queued requests before add() refuses with RESOURCE_EXHAUSTED; None = unbounded.
+    static_padding: static batching only. True (default): pad as a contiguous-cache engine (HF
+        ``generate``) does: prompts left-padded to the batch's longest (the padding is computed,
+        its result discarded), every row attends the batch's longest context, and each row
+        reserves KV for the longest prompt plus the largest max_tokens. False: a paged static
+        batch, where only finished rows are padding.
     """
 
     max_num_seqs: int = 32
@@ -23,6 +28,7 @@ class SchedulerConfig:
     batching: Batching = "continuous"
     enable_chunked_prefill: bool = True
     max_waiting: int | None = None
+    static_padding: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

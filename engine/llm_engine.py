@@ -151,7 +151,7 @@ class LLMEngine:
 
     def _execute(self, plan: SchedulePlan) -> StepResult:
         chunks = [SeqChunk(c.token_ids, c.start_pos, c.block_ids, c.num_logits) for c in plan.chunks]
-        logits = self.runner.forward(chunks, self._layer_hook_for(plan))
+        logits = self.runner.forward(chunks, self._layer_hook_for(plan), pad_to_longest=plan.pad_to_longest)
         sampling = [c.request_id for c in plan.chunks if c.num_logits]
         if not sampling:
             return StepResult()

@@ -60,11 +60,13 @@ class ModelRunner:
         return self.kv_cache.spec.num_blocks
 
     @torch.inference_mode()
-    def forward(self, chunks: Sequence[SeqChunk],
-                layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
+    def forward(self, chunks: Sequence[SeqChunk], layer_hook: Callable[[int], None] | None = None, *,
+                pad_to_longest: bool = False) -> torch.Tensor:
         """Run one forward; return logits [sum(c.num_logits), vocab] float32, in chunk order.
 
         layer_hook(l) is called right after layer l has written its K/V for every chunk.
+        pad_to_longest: attend all decode rows padded to the longest context (static batching's
+        baseline cost) instead of in groups of similar length; the result is the same.
         Raises ValueError for an empty batch, a chunk with no tokens, num_logits outside
         [0, num_tokens], a context beyond max_model_len, or a block table that is too short
         or names a block outside the cache.
@@ -72,7 +74,8 @@ class ModelRunner:
         self._check(chunks)
         input_ids, positions, logits_indices = self._flatten(chunks)
         meta = AttentionMetadata.build([c.start_pos for c in chunks], [c.num_tokens for c in chunks],
-                                       [c.block_table for c in chunks], self.block_size, self.device, self.dtype)
+                                       [c.block_table for c in chunks], self.block_size, self.device, self.dtype,
+                                       group_by_length=not pad_to_longest)
         return self.model(input_ids, positions, self.kv_cache, meta, logits_indices, self.ops, layer_hook)
 
     def _flatten(self, chunks: Sequence[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -41,11 +41,14 @@ class ScheduledChunk:
 @dataclass(frozen=True)
 class SchedulePlan:
     """chunks: in execution order. preempted: request ids preempted (by recompute) this step.
-    freed_block_ids: blocks released by those preemptions (nothing to copy: no copy-on-write)."""
+    freed_block_ids: blocks released by those preemptions (nothing to copy: no copy-on-write).
+    pad_to_longest: attend every decode row as one batch padded to the longest context, as a
+        contiguous-cache engine does (static batching's rectangle), not grouped by length."""
 
     chunks: tuple[ScheduledChunk, ...] = ()
     preempted: tuple[str, ...] = ()
     freed_block_ids: tuple[int, ...] = ()
+    pad_to_longest: bool = False
 
     @property
     def is_empty(self) -> bool:

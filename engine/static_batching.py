@@ -1,11 +1,19 @@
 """Static batching, for comparison only: how HF ``generate`` and FasterTransformer batch.
 
-Up to ``max_num_seqs`` waiting requests are admitted together, each reserving KV for its
-prompt plus the batch's largest ``max_tokens`` up front (a contiguous-cache system reserves the
-maximum length). The whole batch is prefilled first, then decoded in lockstep; a request that
-finishes keeps its slot and is computed like padding (one token per step, result discarded)
-until the batch's longest request finishes; then the batch is freed and the next one admitted.
-Aborting a member turns it into padding too; its blocks are freed when the batch ends.
+Up to ``max_num_seqs`` waiting requests are admitted together. The whole batch is prefilled
+first, then decoded in lockstep; a request that finishes keeps its slot and is computed like
+padding (one token per step, result discarded) until the batch's longest request finishes; then
+the batch is freed and the next one admitted. Aborting a member turns it into padding too; its
+blocks are freed when the batch ends.
+
+With ``SchedulerConfig.static_padding`` (the default) the batch is the rectangle a contiguous KV
+cache imposes, as in HF ``generate``: prompts are left-padded to the batch's longest, so each
+row computes ``longest prompt - its prompt`` padding tokens during prefill (placed after its
+prompt here, where decode later overwrites them; the result is discarded, and the cost is the
+same); every decode step attends each row over the batch's longest context
+(``SchedulePlan.pad_to_longest``); and each row reserves KV for the longest prompt plus the
+batch's largest ``max_tokens``. Without it, rows reserve their own prompt plus the largest
+``max_tokens`` and are attended at their own length (a paged static batch).
 """
 
 from __future__ import annotations
@@ -23,8 +31,12 @@ if TYPE_CHECKING:
 class StaticBatcher:
     def __init__(self, scheduler: "Scheduler") -> None:
         self.s = scheduler
+        self.pad = scheduler.config.static_padding
         self.members: list[Request] = []
         self.padding_pos: dict[str, int] = {}  # finished member -> next padding position
+        self.prompt_padding: dict[str, int] = {}  # member -> prompt padding tokens not yet computed
+        self._longest_prompt = 0
+        self._prefill_phase = False  # the last plan prefilled (its padding chunks are prompt padding)
 
     @property
     def active(self) -> bool:
@@ -43,14 +55,22 @@ class StaticBatcher:
         chunks = []
         prefilling = [r for r in self.members
                       if not r.is_finished and (r.num_uncomputed_tokens > 1 or not r.output_token_ids)]
-        for req in (prefilling or self.members):
+        # A row's prompt padding is computed once its prompt is (it then attends finite K/V).
+        padding = [r for r in self.members
+                   if self.prompt_padding.get(r.request_id) and (r.output_token_ids or r.is_finished)]
+        self._prefill_phase = bool(prefilling or padding)
+        if self._prefill_phase:
+            work = [(r, self._chunk) for r in prefilling] + [(r, self._prompt_padding_chunk) for r in padding]
+        else:
+            work = [(r, self._chunk) for r in self.members]
+        for req, make in work:
             if budget <= 0:
                 break
-            chunk = self._chunk(req, budget)
+            chunk = make(req, budget)
             if chunk is not None:
                 chunks.append(chunk)
                 budget -= chunk.num_tokens
-        return SchedulePlan(tuple(chunks))
+        return SchedulePlan(tuple(chunks), pad_to_longest=self.pad)
 
     def _chunk(self, req: Request, budget: int) -> ScheduledChunk | None:
         table = tuple(self.s.bm.block_table(req.request_id))
@@ -65,35 +85,50 @@ class StaticBatcher:
         return ScheduledChunk(req.request_id, tuple(req.all_token_ids[start:start + n]), start, table,
                               int(is_last), is_last)
 
+    def _prompt_padding_chunk(self, req: Request, budget: int) -> ScheduledChunk:
+        """The next of the row's prompt-padding tokens, after its computed prompt (finite K/V)."""
+        left = self.prompt_padding[req.request_id]
+        start = self._longest_prompt - left
+        return ScheduledChunk(req.request_id, (req.prompt_token_ids[-1],) * min(left, budget), start,
+                              tuple(self.s.bm.block_table(req.request_id)), 0, False, True)
+
     def _admit_batch(self) -> None:
         batch = list(self.s.waiting)[: self.s.config.max_num_seqs]
         while batch and not self._fits(batch):
             batch.pop()
         if not batch:
             return
-        max_new = max(r.params.max_tokens for r in batch)
+        self._longest_prompt = max(r.num_prompt_tokens for r in batch)
         for req in batch:
-            length = min(req.num_prompt_tokens + max_new, self.s.max_model_len)
-            assert self.s.bm.allocate(req.request_id, length) is not None
+            assert self.s.bm.allocate(req.request_id, self._reserved_len(req, batch)) is not None
             self.s.waiting.remove(req)
             req.block_ids = self.s.bm.block_table(req.request_id)
             req.move_to(RequestState.RUNNING)
             self.s.running.append(req)
+            if self.pad:
+                self.prompt_padding[req.request_id] = self._longest_prompt - req.num_prompt_tokens
         self.members = batch
 
-    def _fits(self, batch: list[Request]) -> bool:
+    def _reserved_len(self, req: Request, batch: list[Request]) -> int:
         max_new = max(r.params.max_tokens for r in batch)
-        bs, cap = self.s.bm.block_size, self.s.max_model_len
-        need = sum(cdiv(min(r.num_prompt_tokens + max_new, cap), bs) for r in batch)
+        prompt = max(r.num_prompt_tokens for r in batch) if self.pad else req.num_prompt_tokens
+        return min(prompt + max_new, self.s.max_model_len)
+
+    def _fits(self, batch: list[Request]) -> bool:
+        need = sum(cdiv(self._reserved_len(r, batch), self.s.bm.block_size) for r in batch)
         return need <= self.s.bm.num_free_blocks
 
     def before_update(self, plan: SchedulePlan) -> None:
         for chunk in plan.chunks:
-            if chunk.is_padding and chunk.request_id in self.padding_pos:
-                self.padding_pos[chunk.request_id] += 1
+            if not chunk.is_padding:
+                continue
+            if self._prefill_phase:
+                self.prompt_padding[chunk.request_id] -= chunk.num_tokens
+            else:
+                self.padding_pos[chunk.request_id] += 1  # a finished row's decode padding
 
     def after_update(self) -> None:
         if self.members and all(r.is_finished for r in self.members):
             for req in self.members:
                 self.s.release(req)
-            self.members, self.padding_pos = [], {}
+            self.members, self.padding_pos, self.prompt_padding = [], {}, {}

@@ -79,8 +79,12 @@ class AttentionMetadata:
     @classmethod
     def build(cls, start_pos: Sequence[int], query_lens: Sequence[int],
               block_tables: Sequence[Sequence[int]], block_size: int,
-              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> "AttentionMetadata":
+              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
+              group_by_length: bool = True) -> "AttentionMetadata":
         """Metadata for sequences whose new tokens sit at ``start_pos[b] .. start_pos[b] + query_lens[b] - 1``.
+
+        group_by_length: split the short chunks into groups of similar context length
+        (partition_by_length); False attends them as one group padded to the longest.
 
         block_tables[b] must cover ``start_pos[b] + query_lens[b]`` tokens (checked by the caller).
         """
@@ -99,7 +103,8 @@ class AttentionMetadata:
         short = [b for b, q in enumerate(query_lens) if q <= MAX_PADDED_QUERY_LEN]
         long = [b for b, q in enumerate(query_lens) if q > MAX_PADDED_QUERY_LEN]
         lens = seq_lens.tolist()
-        subsets = partition_by_length(short, [lens[b] for b in short]) + [[b] for b in long]
+        shorts = partition_by_length(short, [lens[b] for b in short]) if group_by_length else [short] if short else []
+        subsets = shorts + [[b] for b in long]
         groups = tuple(_group(subset, start, qlen, first, table, block_size, len(subsets) == 1, device, dtype)
                        for subset in subsets)
         return cls(slot_mapping=slot_mapping.to(device), seq_lens=seq_lens.to(device),

@@ -44,12 +44,14 @@ def scattered_tables(seqs, seed=0):
     [(9, MAX_PADDED_QUERY_LEN + 3), (2, 1)],                  # a long chunk after cached tokens
     [(0, 1), (120, 1), (2, 1), (1, 2), (110, 3)],             # short and long contexts: two groups
 ])
-def test_paged_attention_matches_naive_softmax(seqs):
+@pytest.mark.parametrize("group_by_length", [True, False])
+def test_paged_attention_matches_naive_softmax(seqs, group_by_length):
     gen = torch.Generator().manual_seed(0)
     key_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
     value_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
     tables = scattered_tables(seqs)
-    meta = AttentionMetadata.build([s for s, _ in seqs], [q for _, q in seqs], tables, BLOCK_SIZE)
+    meta = AttentionMetadata.build([s for s, _ in seqs], [q for _, q in seqs], tables, BLOCK_SIZE,
+                                   group_by_length=group_by_length)
     query = torch.randn(sum(q for _, q in seqs), KV_HEADS * GROUP, HEAD_DIM, generator=gen)
     ops = get_attention_backend("torch")
     got = ops.paged_attention(query, key_cache, value_cache, meta, 0.3)

@@ -204,3 +204,26 @@ def test_static_batching_pads_finished_until_batch_ends():
     assert "short" not in s.requests and s.bm.num_used_blocks == 0
     plan, _ = step(s)
     assert [c.request_id for c in plan.chunks] == ["next"]
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_static_batching_pads_prompts_to_the_longest_like_a_contiguous_cache(padded):
+    s = make(max_num_seqs=2, max_num_batched_tokens=64, batching="static", static_padding=padded)
+    s.add(req("short", 3, max_tokens=2))
+    s.add(req("long", 7, max_tokens=4, base=300))
+    plan, _ = step(s)
+    assert [(c.request_id, c.num_tokens, c.is_padding) for c in plan.chunks] == [("short", 3, False),
+                                                                             ("long", 7, False)]
+    assert plan.pad_to_longest is padded
+    # each row reserves the longest prompt + the largest max_tokens (11 tokens: 3 blocks of 4)
+    assert [len(s.bm.block_table(r)) for r in ("short", "long")] == ([3, 3] if padded else [2, 3])
+    plan, _ = step(s)
+    if padded:  # the short row's 4 padding tokens, after its prompt; nothing decodes yet
+        assert [(c.request_id, c.start_pos, c.num_tokens, c.num_logits, c.is_padding) for c in plan.chunks] == [
+            ("short", 3, 4, 0, True)]
+        assert s.requests["short"].num_computed_tokens == 3  # padding is not the request's
+        plan, _ = step(s)
+    assert [(c.request_id, c.start_pos, c.num_tokens) for c in plan.chunks] == [("short", 3, 1), ("long", 7, 1)]
+    while s.has_work():
+        step(s)
+    assert s.bm.num_used_blocks == 0
