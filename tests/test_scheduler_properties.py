@@ -75,7 +75,9 @@ class Sim:
         self.forget_free_blocks()  # preemption inside schedule() may have freed blocks
         for c in plan.chunks:
             assert len(c.block_ids) * BS >= c.start_pos + c.num_tokens
-            if c.is_padding:
+            if c.is_padding:  # static batching: computed, result discarded; it must overwrite nothing live
+                for pos in range(c.start_pos, c.start_pos + c.num_tokens):
+                    self.slots[c.block_ids[pos // BS] * BS + pos % BS] = -1
                 continue
             r = self.s.requests[c.request_id]
             for p in range(c.start_pos):  # everything before the chunk is already in the cache
