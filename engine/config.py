@@ -19,7 +19,8 @@ class SchedulerConfig:
         ``generate``) does: prompts left-padded to the batch's longest (the padding is computed,
         its result discarded), every row attends the batch's longest context, and each row
         reserves KV for the longest prompt plus the largest max_tokens. False: a paged static
-        batch, where only finished rows are padding.
+        batch, where only finished rows are padding (rows are attended in groups of similar
+        length, as in continuous batching).
     """
 
     max_num_seqs: int = 32

@@ -66,7 +66,9 @@ class ModelRunner:
 
         layer_hook(l) is called right after layer l has written its K/V for every chunk.
         pad_to_longest: attend all decode rows padded to the longest context (static batching's
-        baseline cost) instead of in groups of similar length; the result is the same.
+        baseline cost) instead of in groups of similar length; the result is the same up to
+        rounding. Grouping is done on CPU only: elsewhere a group's fixed cost (kernel launches)
+        is unmeasured, and a paged kernel needs no padding at all.
         Raises ValueError for an empty batch, a chunk with no tokens, num_logits outside
         [0, num_tokens], a context beyond max_model_len, or a block table that is too short
         or names a block outside the cache.
@@ -75,7 +77,7 @@ class ModelRunner:
         input_ids, positions, logits_indices = self._flatten(chunks)
         meta = AttentionMetadata.build([c.start_pos for c in chunks], [c.num_tokens for c in chunks],
                                        [c.block_table for c in chunks], self.block_size, self.device, self.dtype,
-                                       group_by_length=not pad_to_longest)
+                                       group_by_length=self.device.type == "cpu" and not pad_to_longest)
         return self.model(input_ids, positions, self.kv_cache, meta, logits_indices, self.ops, layer_hook)
 
     def _flatten(self, chunks: Sequence[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

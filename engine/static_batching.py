@@ -9,11 +9,11 @@ blocks are freed when the batch ends.
 With ``SchedulerConfig.static_padding`` (the default) the batch is the rectangle a contiguous KV
 cache imposes, as in HF ``generate``: prompts are left-padded to the batch's longest, so each
 row computes ``longest prompt - its prompt`` padding tokens during prefill (placed after its
-prompt here, where decode later overwrites them; the result is discarded, and the cost is the
-same); every decode step attends each row over the batch's longest context
+prompt here, where decode later overwrites them; the result is discarded; the token count, so
+the cost of the linear layers, is HF's, while prefill attention stays per sequence); every decode step attends each row over the batch's longest context
 (``SchedulePlan.pad_to_longest``); and each row reserves KV for the longest prompt plus the
 batch's largest ``max_tokens``. Without it, rows reserve their own prompt plus the largest
-``max_tokens`` and are attended at their own length (a paged static batch).
+``max_tokens`` and are attended in groups of similar length (a paged static batch).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class StaticBatcher:
         chunks = []
         prefilling = [r for r in self.members
                       if not r.is_finished and (r.num_uncomputed_tokens > 1 or not r.output_token_ids)]
-        # A row's prompt padding is computed once its prompt is (it then attends finite K/V).
+        # A row's prompt padding is computed once its prompt is (or the row ended: result discarded).
         padding = [r for r in self.members
                    if self.prompt_padding.get(r.request_id) and (r.output_token_ids or r.is_finished)]
         self._prefill_phase = bool(prefilling or padding)
@@ -76,8 +76,8 @@ class StaticBatcher:
         table = tuple(self.s.bm.block_table(req.request_id))
         if req.is_finished:
             pos = self.padding_pos[req.request_id]
-            if pos >= len(table) * self.s.bm.block_size:
-                return None  # finished at max_model_len: nothing left to pad into
+            if pos >= min(len(table) * self.s.bm.block_size, self.s.max_model_len):
+                return None  # at max_model_len or the reservation's end: nothing left to pad into
             return ScheduledChunk(req.request_id, (req.all_token_ids[-1],), pos, table, 0, True, True)
         start = req.num_computed_tokens
         n = min(req.num_uncomputed_tokens, budget)

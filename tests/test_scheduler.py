@@ -227,3 +227,16 @@ def test_static_batching_pads_prompts_to_the_longest_like_a_contiguous_cache(pad
     while s.has_work():
         step(s)
     assert s.bm.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_static_padding_never_runs_past_max_model_len(padded):
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, batching="static", static_padding=padded),
+                  BlockManager(16, 4, watermark=0.0), max_model_len=10, eos_token_ids=(EOS,))
+    s.add(req("a", 8, max_tokens=1))  # finishes at prefill, then pads while "b" decodes
+    s.add(req("b", 2, max_tokens=7, base=300))
+    ends = []
+    while s.has_work():
+        plan, _ = step(s)
+        ends += [c.start_pos + c.num_tokens for c in plan.chunks]
+    assert max(ends) == 10 and s.bm.num_used_blocks == 0

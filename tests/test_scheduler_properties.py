@@ -27,7 +27,8 @@ OPS = st.lists(st.tuples(st.sampled_from(["add", "add", "step", "step", "step", 
 
 class Sim:
     def __init__(self, batching: str, seed: int) -> None:
-        cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12, batching=batching)
+        cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12, batching=batching.removeprefix("paged-"),
+                              static_padding=batching == "static")
         self.s = Scheduler(cfg, BlockManager(NUM_BLOCKS, BS, watermark=0.1), max_model_len=64, eos_token_ids=(EOS,))
         self.slots: list[int | None] = [None] * (NUM_BLOCKS * BS)
         self.n = 0
@@ -127,7 +128,7 @@ class Sim:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=OPS, batching=st.sampled_from(["continuous", "continuous", "static"]))
+@given(ops=OPS, batching=st.sampled_from(["continuous", "continuous", "static", "paged-static"]))
 def test_block_accounting_and_kv_contents_hold_under_random_operations(ops, batching):
     sim = Sim(batching, 0)
     for op, x in ops:
