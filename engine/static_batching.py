@@ -7,13 +7,16 @@ the batch is freed and the next one admitted. Aborting a member turns it into pa
 blocks are freed when the batch ends.
 
 With ``SchedulerConfig.static_padding`` (the default) the batch is the rectangle a contiguous KV
-cache imposes, as in HF ``generate``: prompts are left-padded to the batch's longest, so each
-row computes ``longest prompt - its prompt`` padding tokens during prefill (placed after its
-prompt here, where decode later overwrites them; the result is discarded; the token count, so
-the cost of the linear layers, is HF's, while prefill attention stays per sequence); every decode step attends each row over the batch's longest context
-(``SchedulePlan.pad_to_longest``); and each row reserves KV for the longest prompt plus the
-batch's largest ``max_tokens``. Without it, rows reserve their own prompt plus the largest
-``max_tokens`` and are attended in groups of similar length (a paged static batch).
+cache imposes, as in HF ``generate``:
+- prompts are left-padded to the batch's longest: each row computes ``longest prompt - its
+  prompt`` padding tokens during prefill (placed after its prompt here, where decode later
+  overwrites them; the result is discarded). The token count, so the linear layers' cost, is
+  HF's; prefill attention stays per sequence.
+- every decode step attends each row over the batch's longest context
+  (``SchedulePlan.pad_to_longest``);
+- each row reserves KV for the longest prompt plus the batch's largest ``max_tokens``.
+Without it, rows reserve their own prompt plus the largest ``max_tokens`` and are attended in
+groups of similar length (a paged static batch).
 """
 
 from __future__ import annotations
