@@ -1,9 +1,10 @@
 """Torch reference implementations of the attention ops (kernels/attention.py).
 
 Vectorized: the sequences of a group (decode and short verification chunks of similar context
-length together, see ``partition_by_length``; each long prefill chunk alone) have their keys and values gathered through their block tables into a
-padded ``[B, num_kv_heads, L, head_dim]`` tensor and are attended with one masked
-``scaled_dot_product_attention`` call per group and layer. GQA without copying K/V: the query heads that
+length together, see ``partition_by_length``; each long prefill chunk alone) have their keys
+and values gathered through their block tables into a padded ``[B, num_kv_heads, L, head_dim]``
+tensor and are attended with one masked ``scaled_dot_product_attention`` call per group and
+layer. GQA without copying K/V: the query heads that
 share a KV head are stacked along the query axis, ``[B, Hkv, G * Q, D]``.
 """
 
