@@ -4,8 +4,8 @@ Vectorized: the sequences of a group (decode and short verification chunks of si
 length together, see ``partition_by_length``; each long prefill chunk alone) have their keys
 and values gathered through their block tables into a padded ``[B, num_kv_heads, L, head_dim]``
 tensor and are attended with one masked ``scaled_dot_product_attention`` call per group and
-layer. GQA without copying K/V: the query heads that
-share a KV head are stacked along the query axis, ``[B, Hkv, G * Q, D]``.
+layer. GQA without copying K/V: the query heads that share a KV head are stacked along the
+query axis, ``[B, Hkv, G * Q, D]``.
 """
 
 from __future__ import annotations
