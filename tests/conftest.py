@@ -1,4 +1,4 @@
-"""Shared test fixtures: the shared data folder beside the repo, the ShareGPT prompts."""
+"""Shared test fixtures: the shared data folder beside the repo, the ShareGPT prompts, the model and its tokenizer."""
 
 from __future__ import annotations
 
@@ -36,6 +36,14 @@ def model_path() -> Path:
     from engine.model_loader import resolve_model
 
     return resolve_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path):
+    """The bundled model's HF tokenizer."""
+    from engine.model_loader import load_tokenizer
+
+    return load_tokenizer(model_path)
 
 
 # -- Ray: one local cluster per test session (serving tests) ---------------------------------

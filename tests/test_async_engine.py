@@ -35,13 +35,6 @@ def runner(model_path):
     return ModelRunner(model_path, block_size=16, num_blocks=400)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(model_path):
-    from engine.model_loader import load_tokenizer
-
-    return load_tokenizer(model_path)
-
-
 def make_engine(runner, tokenizer, num_blocks=None) -> AsyncEngine:
     cfg = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
                        cache=CacheConfig(num_blocks=num_blocks))

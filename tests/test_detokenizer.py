@@ -15,13 +15,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tokenizer(model_path):
-    from engine.model_loader import load_tokenizer
-
-    return load_tokenizer(model_path)
-
-
 def stream(tok, text, stop=(), prompt="Say:"):
     prompt_ids = tok.encode(prompt, add_special_tokens=False)
     ids = tok.encode(text, add_special_tokens=False)

@@ -28,13 +28,6 @@ def runner(model_path):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(model_path):
-    from engine.model_loader import load_tokenizer
-
-    return load_tokenizer(model_path)
-
-
-@pytest.fixture(scope="module")
 def prompts(tokenizer):
     """The first 32 ShareGPT prompts in the chat template, each cut to its first PROMPT_CHARS
     characters so the one-at-a-time reference stays affordable on 2 cores."""
