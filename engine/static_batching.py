@@ -102,8 +102,8 @@ class StaticBatcher:
         if not batch:
             return
         self._longest_prompt = max(r.num_prompt_tokens for r in batch)
-        for req in batch:
-            assert self.s.bm.allocate(req.request_id, self._reserved_len(req, batch)) is not None
+        for req, length in zip(batch, self._reserved_lens(batch)):
+            assert self.s.bm.allocate(req.request_id, length) is not None
             self.s.waiting.remove(req)
             req.block_ids = self.s.bm.block_table(req.request_id)
             req.move_to(RequestState.RUNNING)
@@ -112,13 +112,14 @@ class StaticBatcher:
                 self.prompt_padding[req.request_id] = self._longest_prompt - req.num_prompt_tokens
         self.members = batch
 
-    def _reserved_len(self, req: Request, batch: list[Request]) -> int:
+    def _reserved_lens(self, batch: list[Request]) -> list[int]:
+        """Tokens of KV each row reserves: its prompt (the longest, when padded) + the largest max_tokens."""
         max_new = max(r.params.max_tokens for r in batch)
-        prompt = max(r.num_prompt_tokens for r in batch) if self.pad else req.num_prompt_tokens
-        return min(prompt + max_new, self.s.max_model_len)
+        longest = max(r.num_prompt_tokens for r in batch)
+        return [min((longest if self.pad else r.num_prompt_tokens) + max_new, self.s.max_model_len) for r in batch]
 
     def _fits(self, batch: list[Request]) -> bool:
-        need = sum(cdiv(self._reserved_len(r, batch), self.s.bm.block_size) for r in batch)
+        need = sum(cdiv(n, self.s.bm.block_size) for n in self._reserved_lens(batch))
         return need <= self.s.bm.num_free_blocks
 
     def before_update(self, plan: SchedulePlan) -> None:
