@@ -10,7 +10,7 @@ Lifecycle of one disaggregated request on this worker:
      first token, stream the following tokens.
   4. End: the engine frees the blocks on finish; Abort frees them in any state; a lease that
      expires before Decode (the router or the prefill worker vanished) aborts the request.
-In agg mode the same worker serves Generate only (no transport).
+The agg role (no transport) is worker/agg.py.
 The transport's notifications are polled every millisecond while reservations are open (NIXL
 without its progress thread needs the receiver to poll; the other backends queue them until read),
 and every 50 ms otherwise, so that an idle poller does not take CPU from decoding.
@@ -25,9 +25,9 @@ from typing import AsyncIterator
 
 import grpc
 
-from decode_worker.base import WorkerCore, WorkerError
 from kv_transfer.leases import LeaseTable
 from proto.pdserve.v1 import api_pb2, worker_pb2
+from worker.core import WorkerCore, WorkerError
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ LEASE_REAP_S = 0.25
 
 
 class DecodeWorker(WorkerCore):
-    def __init__(self, *args, transport=None, **kwargs) -> None:
+    def __init__(self, *args, transport, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.transport = transport
         self.reservations: LeaseTable[str] = LeaseTable()
@@ -45,8 +45,7 @@ class DecodeWorker(WorkerCore):
 
     async def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._reap_leases()))
-        if self.transport is not None:
-            self._tasks.append(asyncio.create_task(self._poll_notifications()))
+        self._tasks.append(asyncio.create_task(self._poll_notifications()))
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -56,8 +55,6 @@ class DecodeWorker(WorkerCore):
 
     async def reserve(self, request_id: str, prompt_ids: list[int], wire: api_pb2.SamplingOptions,
                       lease_s: float) -> worker_pb2.ReserveResponse:
-        if self.transport is None:
-            raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION, "this worker takes no remote KV (agg mode)")
         params = self.check(prompt_ids, wire)
         try:
             blocks = await self.engine.reserve_remote(request_id, prompt_ids, params)

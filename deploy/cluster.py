@@ -15,8 +15,8 @@ import logging
 import os
 from dataclasses import dataclass, replace
 
-from decode_worker.base import WorkerConfig
 from router.registry import WorkerEndpoint
+from worker.core import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +74,11 @@ class WorkerActor:
         return self._server.address
 
     async def _start(self) -> None:
-        from decode_worker.server import start_worker
+        from deploy.worker_process import start_worker
 
         self._server = await start_worker(self.config)
         if self.config.metrics_port is not None:
-            from decode_worker.metrics import serve_worker_metrics
+            from worker.metrics import serve_worker_metrics
 
             serve_worker_metrics(self._server.worker, self.config.metrics_port, self.config.host)
 

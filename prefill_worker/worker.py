@@ -22,10 +22,10 @@ import logging
 
 import grpc
 
-from decode_worker.base import WorkerCore, WorkerError, usage_pb
 from kv_transfer.leases import LeaseTable
 from prefill_worker.kv_push import KVPusher, TransferFailed
 from proto.pdserve.v1 import worker_pb2
+from worker.core import WorkerCore, WorkerError, usage_pb
 
 log = logging.getLogger(__name__)
 

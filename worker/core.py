@@ -1,7 +1,7 @@
 """What every worker role shares: the engine, request checks, local generation, abort, stats.
 
 Used by the decode worker (decode_worker/worker.py), the prefill worker (prefill_worker/worker.py)
-and the aggregated worker (a decode worker that takes no remote KV). Requests are checked again
+and the aggregated worker (worker/agg.py). Requests are checked again
 here with engine.SamplingParams (the router checked them first), before any engine work starts.
 """
 

@@ -1,10 +1,12 @@
-"""The worker gRPC service (pdserve.v1.Worker) for every role, and building a worker process.
+"""The worker gRPC service (pdserve.v1.Worker) for every role, and what building any role needs.
 
-`start_worker(config)` loads the engine, creates and registers the KV transport (prefill and
-decode roles), builds the role's worker and serves it on config.host:config.port (0 = any free
-port); it returns the running `WorkerServer` with its bound address. RPCs a role does not serve
-answer FAILED_PRECONDITION. Worker failures become gRPC statuses; a handler cancelled by the
-router (cancel, disconnect, deadline) aborts the request on the engine.
+`load_engine(config)` loads the engine; `create_kv_transport(config, runner)` creates and
+registers the KV transport (prefill and decode roles); `serve(worker, host, port)` serves a built
+role on host:port (0 = any free port) and returns the running `WorkerServer` with its bound
+address. Which role class to build is chosen above the roles (deploy/worker_process.py), so this
+package never imports a role package. RPCs a role does not serve answer FAILED_PRECONDITION.
+Worker failures become gRPC statuses; a handler cancelled by the router (cancel, disconnect,
+deadline) aborts the request on the engine.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from decode_worker.base import WorkerConfig, WorkerCore, WorkerError
+from worker.core import WorkerConfig, WorkerCore, WorkerError
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -96,8 +98,11 @@ class WorkerServer:
             transport.close()
 
 
-def build_worker(config: WorkerConfig) -> WorkerCore:
-    """Load the engine and the transport for config.role (heavy: imports torch, loads weights)."""
+def load_engine(config: WorkerConfig):
+    """Load the engine for config (heavy: imports torch, loads weights).
+
+    Returns (engine, model_dir, runner): the AsyncEngine, the resolved HF-layout model directory
+    and the engine's ModelRunner (for its KV cache and model config)."""
     from engine.async_engine import AsyncEngine
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.model_loader import resolve_model
@@ -110,26 +115,7 @@ def build_worker(config: WorkerConfig) -> WorkerCore:
                                   max_waiting=config.max_waiting),
         cache=CacheConfig(block_size=config.block_size, num_blocks=config.num_blocks),
         num_threads=config.num_threads, device=config.device))
-    runner = _runner(engine)
-    args = (config, engine, model_dir, runner.model_config)
-    if config.role == "agg":
-        from decode_worker.worker import DecodeWorker
-
-        return DecodeWorker(*args, transport=None)
-    transport, metadata = _transport(config, runner)
-    if config.role == "decode":
-        from decode_worker.worker import DecodeWorker
-
-        worker = DecodeWorker(*args, transport=transport)
-    else:
-        from prefill_worker.kv_push import KVPusher
-        from prefill_worker.worker import PrefillWorker
-
-        spec = runner.kv_cache.spec
-        pusher = KVPusher(transport, spec.block_size, spec.num_layers, 2 * spec.block_bytes, config.transfer_timeout_s)
-        worker = PrefillWorker(*args, transport=transport, pusher=pusher)
-    worker.kv_metadata = metadata
-    return worker
+    return engine, model_dir, _runner(engine)
 
 
 def _runner(engine):
@@ -147,7 +133,8 @@ def _runner(engine):
     raise RuntimeError("cannot find the engine's model runner (kv_cache, model_config)")
 
 
-def _transport(config: WorkerConfig, runner):
+def create_kv_transport(config: WorkerConfig, runner):
+    """The role's KV transport with the engine's cache registered; returns (transport, metadata)."""
     from kv_transfer import create_transport
     from kv_transfer.base import CompatKey
 
@@ -156,14 +143,13 @@ def _transport(config: WorkerConfig, runner):
     return transport, transport.register_cache(runner.kv_cache, compat)
 
 
-async def start_worker(config: WorkerConfig) -> WorkerServer:
-    """Build the worker, start its background tasks and its gRPC server; returns the running server."""
-    worker = await asyncio.to_thread(build_worker, config)
+async def serve(worker: WorkerCore, host: str, port: int) -> WorkerServer:
+    """Start the built worker's background tasks and its gRPC server; returns the running server."""
     await worker.start()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    if port == 0:
-        raise OSError(f"cannot bind the worker on {config.host}:{config.port}")
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind the worker on {host}:{port}")
     await server.start()
-    return WorkerServer(worker, server, f"{config.host}:{port}")
+    return WorkerServer(worker, server, f"{host}:{bound}")
