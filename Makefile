@@ -1,6 +1,6 @@
 # pdserve: two entry points, each works on a fresh machine.
 #   make demo   create .venv, install, answer one chat prompt with the bundled model
-#   make test   create .venv with dev extras, run the whole suite
+#   make test   create .venv with dev extras, install redis-server if missing, run the whole suite
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -10,8 +10,12 @@ TORCH_SPEC ?= torch==2.13.0
 LOOPBACK := unshare -n bash -c 'ip link set lo up && exec "$$0" "$$@"'
 PYTEST_ARGS ?=
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean redis
 install: $(VENV)/.installed
+
+# The tests start their own redis-server (tests/redis_server.py); CI runs as root on a fresh machine.
+redis:
+	@command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,7 +29,7 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(LOOPBACK) $(BIN)/python -m deploy.demo
 
-test: install
+test: install redis
 	$(LOOPBACK) $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -12,15 +12,21 @@ token by token against the tokens stored with the block.
 Free list: an OrderedDict used as an O(1) queue in eviction order. Blocks without a hash go to
 the front (evicted first); hashed blocks go to the back in least-recently-freed order; a prefix
 hit removes a free block from the middle in O(1).
+
+KV events (proto/kv_events.py): ``on_event``, if set, is called with a BlockStored when full
+blocks become findable, a BlockRemoved when cached blocks are evicted or forgotten, and an
+AllBlocksCleared when a reset leaves nothing cached; the worker's publisher numbers and sends
+them to routers. The hook is called synchronously in the engine thread, so it must be cheap.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from proto.block_hash import hash_block
+from proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 
 def cdiv(a: int, b: int) -> int:
@@ -71,6 +77,7 @@ class BlockManager:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.num_evictions = 0
+        self.on_event: Callable[[KvEvent], None] | None = None
 
     # ---- queries ---------------------------------------------------------------------------
     @property
@@ -89,6 +96,10 @@ class BlockManager:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    def cached_hashes(self) -> frozenset[int]:
+        """Every findable block hash (what a KV-event snapshot holds)."""
+        return frozenset(self._cached)
 
     def block_table(self, request_id: str) -> list[int]:
         """The live block table of a request (empty if it holds none). Do not mutate."""
@@ -160,14 +171,24 @@ class BlockManager:
             return
         table, bs = self._tables.get(request_id, []), self.block_size
         hashes = self._hashes.setdefault(request_id, [])
+        stored: list[int] = []
+        parent: int | None = None
         for i in range(len(hashes), min(num_computed_tokens // bs, len(table))):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             h = hash_block(hashes[-1] if hashes else None, tokens)
-            hashes.append(h)
             block = self.blocks[table[i]]
             if block.block_hash is None and h not in self._cached:
                 block.block_hash, block.token_ids = h, tokens
                 self._cached[h] = block.block_id
+                if not stored:
+                    parent = hashes[-1] if hashes else None
+                stored.append(h)
+            elif stored:  # a run of new blocks ends: one event per contiguous run
+                self._emit(BlockStored(tuple(stored), parent, len(stored) * bs))
+                stored = []
+            hashes.append(h)
+        if stored:
+            self._emit(BlockStored(tuple(stored), parent, len(stored) * bs))
 
     def free(self, request_id: str) -> list[int]:
         """Drop the request's hold on every block of its table; returns the table. Idempotent."""
@@ -184,8 +205,11 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash of a free block (e.g. after the cache contents changed)."""
-        for block_id in self._free:
-            self._uncache(self.blocks[block_id])
+        removed = [h for b in self._free if (h := self._uncache(self.blocks[b])) is not None]
+        if not self._cached and removed:
+            self._emit(AllBlocksCleared())
+        elif removed:
+            self._emit(BlockRemoved(tuple(removed)))
 
     # ---- internals -------------------------------------------------------------------------
     def _take(self, block_id: int) -> int:
@@ -199,15 +223,24 @@ class BlockManager:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:
-            self._uncache(block)
+            if (h := self._uncache(block)) is not None:
+                self._emit(BlockRemoved((h,)))
             self.num_evictions += 1
         block.ref_count = 1
         return block_id
 
-    def _uncache(self, block: Block) -> None:
-        if block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id:
-            del self._cached[block.block_hash]
+    def _uncache(self, block: Block) -> int | None:
+        """Drop the block's hash; returns it if it was findable (indexed to this block)."""
+        h = block.block_hash
+        gone = h is not None and self._cached.get(h) == block.block_id
+        if gone:
+            del self._cached[h]
         block.block_hash, block.token_ids = None, ()
+        return h if gone else None
+
+    def _emit(self, event: KvEvent) -> None:
+        if self.on_event is not None:
+            self.on_event(event)
 
     # ---- integrity -------------------------------------------------------------------------
     def check_invariants(self) -> None:

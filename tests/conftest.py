@@ -75,3 +75,25 @@ def ray_session(tmp_path_factory):
     init_ray(num_cpus=8)
     yield ray
     ray.shutdown()
+
+
+# -- Redis: one real redis-server per test session (registry, KV events) -----------------------
+@pytest.fixture(scope="session")
+def redis_server():
+    """A redis-server on a free 127.0.0.1 port, no persistence; stopped at the end of the session.
+    Tests that kill Redis start their own `tests.redis_server.RedisServer` instead."""
+    from tests.redis_server import RedisServer
+
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_client(redis_server):
+    """A redis-py client on the session server, its database flushed before the test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    client.flushdb()
+    yield client
+    client.close()
