@@ -18,11 +18,14 @@ from bench import offline as bench_offline
 from bench import serve as bench_serve
 from deploy import generate_cmd, serve_cmd, status_cmd
 from engine.errors import InvalidRequest, UserError
+from evals import perplexity as eval_perplexity
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="pdserve: disaggregated prefill/decode LLM serving.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (write JSON, print a table).")
 app.add_typer(bench_app, name="bench")
+eval_app = typer.Typer(no_args_is_help=True, help="Quality evaluations (write JSON, print a table).")
+app.add_typer(eval_app, name="eval")
 
 app.command("generate")(generate_cmd.command)
 app.command("serve")(serve_cmd.command)
@@ -32,6 +35,7 @@ bench_app.command("offline")(bench_offline.command)
 bench_app.command("kv-transfer")(bench_kv_transfer.command)
 bench_app.command("serve")(bench_serve.command)
 bench_app.command("compare")(bench_compare.command)
+eval_app.command("ppl")(eval_perplexity.command)
 
 
 def main() -> None:

@@ -18,6 +18,8 @@ from engine.batch import SeqChunk
 from engine.kv_cache import KVCacheSpec, PagedKVCache
 from engine.model_config import ModelConfig
 from engine.model_loader import resolve_model
+from engine.quantization import check_kv_cache_dtype, check_quantization
+from engine.quantization.apply import apply_quantization
 from engine.models.llama import LlamaForCausalLM
 from kernels.attention import AttentionMetadata, get_attention_backend
 
@@ -31,12 +33,15 @@ class ModelRunner:
         ModelConfig. block_size: tokens per KV block. num_blocks / kv_cache_memory_bytes: cache
         size (num_blocks wins; default DEFAULT_KV_CACHE_BYTES). dtype: weights, activations and
         cache (logits are always float32).
+        quantization: how the decoder's linears run, chosen once here (engine.quantization:
+        "none", "int8", "fp8"). kv_cache_dtype: "auto" (= dtype) or "fp8_e4m3".
     """
 
     def __init__(self, model_path_or_config: str | os.PathLike[str] | ModelConfig, *, block_size: int = 16,
                  num_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 attention_backend: str = "torch") -> None:
+                 attention_backend: str = "torch", quantization: str = "none",
+                 kv_cache_dtype: str = "auto") -> None:
         if isinstance(model_path_or_config, ModelConfig):
             self.model_config = model_path_or_config
         else:
@@ -45,7 +50,10 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.ops = get_attention_backend(attention_backend)
+        self.quantization = check_quantization(quantization)
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         self.model = load_model(self.model_config, dtype, self.device)
+        apply_quantization(self.model, quantization)
         cfg = self.model_config
         if num_blocks is None:
             num_blocks = KVCacheSpec.blocks_for_memory(kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES,

@@ -1,0 +1,1 @@
+"""Quality evaluations of the runtime (perplexity)."""
