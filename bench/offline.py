@@ -76,7 +76,7 @@ def run_mode(runner, tokenizer, prompt_ids: list[list[int]], lengths: list[int],
 
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from proto.sampling import SamplingParams
 
     cfg = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, batching=batching,
                                                  max_num_batched_tokens=max_num_batched_tokens,

@@ -17,8 +17,9 @@ from bench import kv_transfer as bench_kv_transfer
 from bench import offline as bench_offline
 from bench import serve as bench_serve
 from deploy import generate_cmd, serve_cmd, status_cmd
-from engine.errors import InvalidRequest, UserError
+from engine.errors import UserError
 from evals import perplexity as eval_perplexity
+from proto.sampling import InvalidRequest
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="pdserve: disaggregated prefill/decode LLM serving.")

@@ -16,7 +16,7 @@ from typing import Optional
 import typer
 
 from engine.errors import UserError
-from engine.sampling_params import InvalidRequest, SamplingParams
+from proto.sampling import InvalidRequest, SamplingParams
 
 
 def command(

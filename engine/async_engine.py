@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.llm_engine import LayerHook, LLMEngine
 from engine.outputs import EngineStats, RequestOutput
-from engine.sampling_params import SamplingParams
+from proto.sampling import SamplingParams
 
 _IDLE_POLL_S = 0.02  # re-check when work exists but nothing could be scheduled (e.g. held KV)
 

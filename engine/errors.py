@@ -1,6 +1,7 @@
-"""Errors the engine raises to its callers (CLI, workers). Pure Python."""
+"""Errors the engine raises to its callers (CLI, workers). Pure Python.
 
-from engine.sampling_params import InvalidRequest
+A client error in a request is proto.sampling.InvalidRequest (shared with the router).
+"""
 
 
 class UserError(Exception):
@@ -13,5 +14,3 @@ class UserError(Exception):
 class EngineDeadError(RuntimeError):
     """The engine loop stopped; every pending request fails with this."""
 
-
-__all__ = ["InvalidRequest", "UserError", "EngineDeadError"]

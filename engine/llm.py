@@ -20,7 +20,7 @@ from engine.batch import SeqChunk
 from engine.model_loader import DEFAULT_MODEL, load_tokenizer
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler, TokenLogprobs, check_stop, make_generator
-from engine.sampling_params import InvalidRequest, SamplingParams
+from proto.sampling import InvalidRequest, SamplingParams
 
 
 @dataclass

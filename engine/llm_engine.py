@@ -21,7 +21,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import ChunkInfo, EngineStats, RequestOutput, Usage
 from engine.plan import SchedulePlan, StepResult
 from engine.request import Request, RequestState
-from engine.sampling_params import InvalidRequest, SamplingParams
+from proto.sampling import InvalidRequest, SamplingParams
 from engine.scheduler import Scheduler
 
 LayerHook = Callable[[int, list[ChunkInfo]], None]

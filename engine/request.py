@@ -17,7 +17,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from proto.sampling import SamplingParams
 
 
 class RequestState(enum.IntEnum):

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from proto.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from engine.block_manager import NO_HIT, BlockManager, cdiv
 from engine.config import SchedulerConfig
 from engine.plan import SchedulePlan, ScheduledChunk, StepResult
 from engine.request import Request, RequestState
-from engine.sampling_params import InvalidRequest
+from proto.sampling import InvalidRequest
 
 
 class CapacityError(RuntimeError):

@@ -11,8 +11,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto.pdserve.v1 import api_pb2, api_pb2_grpc
+from proto.sampling import InvalidRequest, from_wire
 from router.errors import ServiceError
-from router.service import RouterService, from_wire
+from router.service import RouterService
 from router.tokenizer import ChatMessage
 
 SERVICE_NAME = api_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -35,6 +36,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 if d.usage is not None:
                     msg.usage.CopyFrom(d.usage)
                 yield msg
+        except InvalidRequest as e:  # from_wire: the options break a sampling rule
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except ServiceError as e:
             await context.abort(e.code, e.message)
 

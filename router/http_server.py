@@ -19,10 +19,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from proto.sampling import DEFAULT_MAX_TOKENS, InvalidRequest, SamplingParams
 from router.errors import ServiceError
 from router.service import Delta, Prepared, RouterService
 from router.tokenizer import ChatMessage
-from router.validation import DEFAULT_MAX_TOKENS, Sampling
 
 
 class StreamOptions(BaseModel):
@@ -44,11 +44,12 @@ class _SamplingFields(BaseModel):
     n: int = 1
     timeout: float | None = Field(default=None, description="pdserve extension: deadline in seconds")
 
-    def sampling(self, max_tokens: int | None) -> Sampling:
+    def sampling(self, max_tokens: int | None) -> SamplingParams:
+        """Validated params; raises InvalidRequest naming the field (answered as a 400)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                        max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, stop=stop,
-                        ignore_eos=self.ignore_eos)
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                              max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, stop=stop,
+                              ignore_eos=self.ignore_eos)
 
 
 class CompletionRequest(_SamplingFields):
@@ -71,6 +72,10 @@ def build_app(service: RouterService) -> FastAPI:
     @app.exception_handler(ServiceError)
     async def _service_error(_: Request, e: ServiceError) -> JSONResponse:
         return _error(e)
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid_request(_: Request, e: InvalidRequest) -> JSONResponse:
+        return _error(ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)), param=e.field)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:

@@ -19,13 +19,14 @@ from typing import AsyncIterator
 import grpc
 
 from proto.pdserve.v1 import api_pb2
+from proto.sampling import InvalidRequest, SamplingParams, check_prompt, to_wire
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import ServiceError
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.pool import WorkerPool
 from router.tokenizer import ChatMessage, ChatTemplateError, RouterTokenizer
-from router.validation import InvalidArgument, Sampling, validate_model, validate_prompt, validate_sampling
+from router.validation import validate_model
 
 DEFAULT_DEADLINE_S = 600.0
 
@@ -34,7 +35,7 @@ DEFAULT_DEADLINE_S = 600.0
 class Prepared:
     request_id: str
     prompt_ids: list[int]
-    sampling: Sampling
+    sampling: SamplingParams
 
 
 @dataclass
@@ -86,26 +87,25 @@ class RouterService:
             validate_model(model, self.model_id)
             if chat is not None:
                 if not chat:
-                    raise InvalidArgument("messages", "must not be empty")
+                    raise InvalidRequest("messages", "must not be empty")
                 return self.tokenizer.encode_chat(chat, add_generation_prompt)
             if not prompt:
-                raise InvalidArgument("prompt", "must not be empty")
+                raise InvalidRequest("prompt", "must not be empty")
             return prompt, self.tokenizer.encode(prompt)
-        except (InvalidArgument, ChatTemplateError) as e:
+        except (InvalidRequest, ChatTemplateError) as e:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
-    def prepare(self, model: str, sampling: Sampling, *, prompt: str | None = None,
+    def prepare(self, model: str, sampling: SamplingParams, *, prompt: str | None = None,
                 chat: list[ChatMessage] | None = None, token_ids: list[int] | None = None,
                 request_id: str = "") -> Prepared:
         try:
-            validate_sampling(sampling)
             if token_ids is not None:
                 validate_model(model, self.model_id)
                 ids = list(token_ids)
             else:
                 ids = self.tokenize(model, prompt, chat)[1]
-            validate_prompt(ids, sampling.max_tokens, self.max_model_len)
-        except InvalidArgument as e:
+            check_prompt(ids, sampling.max_tokens, self.max_model_len)
+        except InvalidRequest as e:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         return Prepared(request_id or f"req-{uuid.uuid4().hex[:16]}", ids, sampling)
 
@@ -193,21 +193,3 @@ class RouterService:
         m.prompt_tokens.inc(n_prompt)
         m.generation_tokens.inc(n_out)
         m.prefix_hits.inc(cached)
-
-
-def to_wire(s: Sampling) -> api_pb2.SamplingOptions:
-    """Validated sampling as sent to the workers, every field explicit."""
-    w = api_pb2.SamplingOptions(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
-                                stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
-    if s.seed is not None:
-        w.seed = s.seed
-    return w
-
-
-def from_wire(w: api_pb2.SamplingOptions) -> Sampling:
-    """Client options with server defaults for unset fields (not yet validated)."""
-    return Sampling(temperature=w.temperature if w.HasField("temperature") else 1.0,
-                    top_p=w.top_p if w.HasField("top_p") else 1.0, top_k=w.top_k,
-                    seed=w.seed if w.HasField("seed") else None,
-                    max_tokens=w.max_tokens if w.HasField("max_tokens") else Sampling.max_tokens,
-                    stop=tuple(w.stop), stop_token_ids=tuple(w.stop_token_ids), ignore_eos=w.ignore_eos)

@@ -15,7 +15,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.detokenizer import REPLACEMENT
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import InvalidRequest, SamplingParams
+from proto.sampling import InvalidRequest, SamplingParams
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]  # a hang fails, not the whole suite
 

@@ -9,7 +9,7 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from proto.sampling import SamplingParams
 from engine_helpers import NEAR_TIE, first_near_tie, run_to_completion
 
 pytestmark = pytest.mark.model

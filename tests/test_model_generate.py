@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from proto.sampling import SamplingParams
 from tests.conftest import sharegpt_prompts
 
 pytestmark = pytest.mark.model
@@ -125,7 +125,7 @@ def test_stop_reasons_and_text(llm):
 
 
 def test_prompt_errors(llm):
-    from engine.sampling_params import InvalidRequest
+    from proto.sampling import InvalidRequest
 
     with pytest.raises(InvalidRequest, match="prompt"):
         llm.generate([[]], SamplingParams())

@@ -11,7 +11,8 @@ import pytest
 
 from router.detokenizer import IncrementalDetokenizer
 from router.selection import WorkerLoad, choose_decode, choose_prefill, use_local_prefill
-from router.validation import InvalidArgument, Sampling, validate_model, validate_prompt, validate_sampling
+from proto.sampling import InvalidRequest
+from router.validation import validate_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,28 +52,9 @@ def test_local_prefill_below_threshold_only():
     assert use_local_prefill(10, 32) and not use_local_prefill(32, 32) and not use_local_prefill(1, 0)
 
 
-# -- validation --------------------------------------------------------------------------------
-@pytest.mark.parametrize("sampling, field", [
-    (Sampling(max_tokens=0), "max_tokens"),
-    (Sampling(temperature=-0.1), "temperature"),
-    (Sampling(top_p=0.0), "top_p"),
-    (Sampling(top_p=1.5), "top_p"),
-    (Sampling(stop=tuple(str(i) for i in range(17))), "stop"),
-    (Sampling(stop=("x" * 257,)), "stop"),
-])
-def test_bad_sampling_names_the_field(sampling, field):
-    with pytest.raises(InvalidArgument) as e:
-        validate_sampling(sampling)
-    assert e.value.field == field and str(e.value).startswith(field)
-
-
-def test_prompt_rules():
-    with pytest.raises(InvalidArgument, match="^prompt"):
-        validate_prompt([], 4, 100)
-    with pytest.raises(InvalidArgument, match="^max_tokens.*context length 100"):
-        validate_prompt([1] * 90, 11, 100)
-    validate_prompt([1] * 90, 10, 100)
-    with pytest.raises(InvalidArgument, match="^model"):
+# -- validation (the sampling and prompt rules are tested in test_protocol_layer.py) ----------------
+def test_model_rule():
+    with pytest.raises(InvalidRequest, match="^model"):
         validate_model("gpt-4", "smollm2")
     validate_model("", "smollm2")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.sampler import Sampler, apply_top_k_top_p, check_stop, make_generator
-from engine.sampling_params import SamplingParams
+from proto.sampling import SamplingParams
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 LOGITS = torch.tensor([[math.log(p) for p in PROBS]])

@@ -9,7 +9,7 @@ from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.plan import StepResult
 from engine.request import IllegalTransition, Request, RequestState
-from engine.sampling_params import InvalidRequest, SamplingParams
+from proto.sampling import InvalidRequest, SamplingParams
 from engine.scheduler import CapacityError, Scheduler
 
 EOS = 2

@@ -15,7 +15,7 @@ from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.plan import StepResult
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from proto.sampling import SamplingParams
 from engine.scheduler import CapacityError, Scheduler
 
 BS, NUM_BLOCKS, EOS = 4, 10, 0

@@ -67,7 +67,7 @@ def reference():
             from engine.llm import LLM
 
             cache["llm"] = LLM(MODEL)
-        from engine.sampling_params import SamplingParams
+        from proto.sampling import SamplingParams
 
         out = cache["llm"].generate([ids], SamplingParams(temperature=0, max_tokens=1, logprobs=2))[0]
         return out.logprobs[0].top

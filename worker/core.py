@@ -2,7 +2,7 @@
 
 Used by the decode worker (decode_worker/worker.py), the prefill worker (prefill_worker/worker.py)
 and the aggregated worker (worker/agg.py). Requests are checked again
-here with engine.SamplingParams (the router checked them first), before any engine work starts.
+here with the same rules (proto/sampling.py; the router checked them first), before any engine work starts.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import AsyncIterator
 
 import grpc
 
-from engine.errors import EngineDeadError, InvalidRequest
-from engine.sampling_params import SamplingParams
+from engine.errors import EngineDeadError
 from engine.scheduler import CapacityError
 from proto.pdserve.v1 import api_pb2, worker_pb2
+from proto.sampling import InvalidRequest, SamplingParams, check_prompt, from_wire
 
 log = logging.getLogger(__name__)
 
@@ -59,16 +59,6 @@ class WorkerConfig:
             raise ValueError(f"role must be prefill, decode or agg, got {self.role!r}")
 
 
-def sampling_params(wire: api_pb2.SamplingOptions, **override) -> SamplingParams:
-    """The engine's params from the wire message (all fields explicit, set by the router)."""
-    kwargs = dict(temperature=wire.temperature if wire.HasField("temperature") else 1.0,
-                  top_p=wire.top_p if wire.HasField("top_p") else 1.0, top_k=wire.top_k,
-                  seed=wire.seed if wire.HasField("seed") else None,
-                  max_tokens=wire.max_tokens if wire.HasField("max_tokens") else 16,
-                  stop=tuple(wire.stop), stop_token_ids=tuple(wire.stop_token_ids), ignore_eos=wire.ignore_eos)
-    return SamplingParams(**(kwargs | override))
-
-
 def usage_pb(usage) -> api_pb2.Usage:
     if usage is None:
         return api_pb2.Usage()
@@ -101,19 +91,10 @@ class WorkerCore:
     def check(self, prompt_ids: list[int], wire: api_pb2.SamplingOptions, **override) -> SamplingParams:
         """Validate a request; raises WorkerError(INVALID_ARGUMENT) naming the field."""
         try:
-            params = sampling_params(wire, **override)
+            params = from_wire(wire, **override)
+            check_prompt(prompt_ids, params.max_tokens, self.model_config.max_model_len, self.model_config.vocab_size)
         except InvalidRequest as e:
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        max_len = self.model_config.max_model_len
-        if not prompt_ids:
-            raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
-        if any(not 0 <= t < self.model_config.vocab_size for t in prompt_ids):
-            raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"prompt: token ids must be in [0, {self.model_config.vocab_size})")
-        if len(prompt_ids) + params.max_tokens > max_len:
-            raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"max_tokens: prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) "
-                              f"exceeds the context length {max_len}")
         return params
 
     # -- local generation (agg mode, short prompts) -------------------------------------------------

@@ -1,0 +1,127 @@
+"""Sampling parameters of one request and their one set of validation rules. Pure Python, no torch.
+
+Shared by the router (front ends), the workers, the engine and the offline CLI: every caller
+builds a `SamplingParams`, which validates itself at construction and raises `InvalidRequest`
+naming the first bad field (the router maps it to INVALID_ARGUMENT / HTTP 400, the CLI to a
+one-line error with exit status 2). `from_wire` / `to_wire` convert to and from the gRPC
+`SamplingOptions` message, the one converter both sides use; `check_prompt` is the prompt check
+the router and the workers both run before any engine work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from proto.pdserve.v1 import api_pb2
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_BYTES = 256
+MAX_LOGPROBS = 20
+DEFAULT_MAX_TOKENS = 16
+
+
+class InvalidRequest(ValueError):
+    """A client error: the message names the field and the allowed values (`field` holds the name)."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token, and when to stop.
+
+    temperature: 0 means greedy (argmax); > 0 divides the logits.
+    top_k: keep the k most likely tokens; 0 or -1 keeps all.
+    top_p: nucleus sampling, keep the smallest set whose probability mass reaches top_p, in (0, 1].
+    seed: per-request seed; the same seed gives the same tokens (independent of the batch).
+    max_tokens: most tokens to generate, >= 1.
+    stop_token_ids: extra token ids that end generation (the model's EOS always does unless ignore_eos).
+    stop: strings that end generation; they are not included in the output text
+        (at most MAX_STOP_STRINGS, each non-empty and at most MAX_STOP_STRING_BYTES UTF-8 bytes).
+    ignore_eos: keep generating past EOS (benchmarks), until max_tokens.
+    logprobs: return the log-probabilities of the top-n tokens at each step (0 = none, at most MAX_LOGPROBS).
+    skip_special_tokens: leave special tokens out of the detokenized text.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int = 0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Tuples keep the params hashable and immutable even when callers pass lists.
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        """Raise InvalidRequest naming the first bad field."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequest("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise InvalidRequest("temperature", f"must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < -1:
+            raise InvalidRequest("top_k", f"must be -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
+        if not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidRequest("stop_token_ids", "token ids must be >= 0")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not s:
+                raise InvalidRequest("stop", "stop strings must be non-empty")
+            if len(s.encode()) > MAX_STOP_STRING_BYTES:
+                raise InvalidRequest("stop", f"each stop string at most {MAX_STOP_STRING_BYTES} bytes, "
+                                             f"got {len(s.encode())}")
+
+
+def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int, max_model_len: int,
+                 vocab_size: int | None = None) -> None:
+    """The prompt is non-empty, its ids are in [0, vocab_size) and prompt + max_tokens fits the context.
+
+    Raises InvalidRequest("prompt" | "max_tokens", ...)."""
+    if not prompt_token_ids:
+        raise InvalidRequest("prompt", "must not be empty")
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt_token_ids):
+        raise InvalidRequest("prompt", f"token ids must be in [0, {vocab_size})")
+    if len(prompt_token_ids) + max_tokens > max_model_len:
+        raise InvalidRequest("max_tokens", f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({max_tokens}) "
+                                           f"exceeds the context length {max_model_len}; shorten the prompt "
+                                           f"or lower max_tokens")
+
+
+def from_wire(wire: api_pb2.SamplingOptions, **override) -> SamplingParams:
+    """SamplingParams from the wire message, server defaults for unset optional fields; `override`
+    replaces fields (the prefill leg's max_tokens=1). Raises InvalidRequest naming the field."""
+    kwargs = dict(temperature=wire.temperature if wire.HasField("temperature") else 1.0,
+                  top_p=wire.top_p if wire.HasField("top_p") else 1.0, top_k=wire.top_k,
+                  seed=wire.seed if wire.HasField("seed") else None,
+                  max_tokens=wire.max_tokens if wire.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
+                  stop=tuple(wire.stop), stop_token_ids=tuple(wire.stop_token_ids), ignore_eos=wire.ignore_eos)
+    return SamplingParams(**(kwargs | override))
+
+
+def to_wire(params: SamplingParams) -> api_pb2.SamplingOptions:
+    """The wire message for validated params, every field explicit (what the router sends the workers)."""
+    w = api_pb2.SamplingOptions(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                max_tokens=params.max_tokens, stop=list(params.stop),
+                                stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos)
+    if params.seed is not None:
+        w.seed = params.seed
+    return w
