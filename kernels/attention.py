@@ -177,12 +177,17 @@ class AttentionBackend(Protocol):
 
 
 def get_attention_backend(name: str = "torch") -> AttentionBackend:
-    """The attention backend called ``name``; only ``"torch"`` exists so far."""
+    """The attention backend called ``name``: ``"torch"`` (reference) or ``"triton"`` (GPU;
+    kernels/triton/backend.py, needs the triton package)."""
     if name == "torch":
         from kernels.torch_ref import TorchAttention
 
         return TorchAttention()
-    raise ValueError(f"unknown attention backend {name!r}: available: torch")
+    if name == "triton":
+        from kernels.triton.backend import TritonAttention
+
+        return TritonAttention()
+    raise ValueError(f"unknown attention backend {name!r}: available: torch, triton")
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
