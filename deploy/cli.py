@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 import typer
+from typer.exceptions import TyperException
 
 from bench import compare as bench_compare
 from bench import engine as bench_engine
@@ -39,9 +40,10 @@ bench_app.command("compare")(bench_compare.command)
 eval_app.command("ppl")(eval_perplexity.command)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Run the CLI; every way it can fail on the user's input ends in one stderr line and a status."""
     try:
-        app(standalone_mode=False)
+        app(args=argv, prog_name="pdserve", standalone_mode=False)
     except (UserError, InvalidRequest) as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -50,13 +52,25 @@ def main() -> None:
     except typer.Abort:
         print("pdserve: aborted", file=sys.stderr)
         sys.exit(130)
-    except Exception as e:  # click usage errors
-        import click
+    except TyperException as e:  # typer's vendored click: UsageError, NoSuchOption, BadParameter, ...
+        sys.exit(_show_usage_error(e))
 
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        raise
+
+def _show_usage_error(e: TyperException) -> int:
+    """Print a usage error as one line: the message and the command's usage; returns the exit status.
+
+    typer >= 0.29 vendors click (``typer._click``), so its errors are not ``click.ClickException``;
+    all of them derive from ``typer.exceptions.TyperException`` and carry ``exit_code`` (2 for
+    usage errors). "no arguments" prints the help text, as click does."""
+    ctx = getattr(e, "ctx", None)
+    if type(e).__name__ == "NoArgsIsHelpError" and ctx is not None:
+        print(ctx.get_help(), file=sys.stderr)
+        return e.exit_code
+    usage = " ".join(ctx.get_usage().split()) if ctx is not None else "Usage: pdserve [OPTIONS] COMMAND [ARGS]..."
+    message = " ".join(e.format_message().split())
+    help_cmd = ctx.command_path if ctx is not None else "pdserve"
+    print(f"pdserve: error: {message} ({usage}; see '{help_cmd} --help')", file=sys.stderr)
+    return e.exit_code
 
 
 if __name__ == "__main__":

@@ -40,6 +40,13 @@ class ClusterSpec:
     num_gpus_per_worker: float = 0.0
     num_cpus_per_worker: float = 1.0
     threads_per_worker: int = 1
+    block_size: int = 16
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    served_model_name: str | None = None
+    transfer_timeout_s: float = 30.0        # a KV push not confirmed by then fails (the router retries once)
+    worker_start_timeout_s: float = 300.0   # every worker loaded and serving, or `serve` fails
+    supervise_interval_s: float = SUPERVISE_INTERVAL_S
 
     def worker_configs(self) -> list[WorkerConfig]:
         roles = [("agg", self.num_decode)] if self.mode == "agg" else [("prefill", self.num_prefill),
@@ -47,7 +54,10 @@ class ClusterSpec:
         base = WorkerConfig(worker_id="", role="agg", model=self.model, kv_transport=self.kv_transport,
                             num_blocks=self.num_blocks, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, num_threads=self.threads_per_worker,
-                            device="cuda" if self.num_gpus_per_worker > 0 else "cpu", host=self.host)
+                            device="cuda" if self.num_gpus_per_worker > 0 else "cpu", host=self.host,
+                            block_size=self.block_size, max_model_len=self.max_model_len,
+                            enable_prefix_caching=self.enable_prefix_caching,
+                            served_model_name=self.served_model_name, transfer_timeout_s=self.transfer_timeout_s)
         configs = []
         for role, n in roles:
             for i in range(n):
@@ -110,9 +120,10 @@ class ClusterController:
         self._addresses: dict[str, str] = {}
         self._supervisors: list[asyncio.Task] = []
 
-    async def start(self, timeout_s: float = 300.0) -> None:
-        """Boot every worker (loads the models in parallel); raises TimeoutError or the worker's error."""
-        async with asyncio.timeout(timeout_s):
+    async def start(self, timeout_s: float | None = None) -> None:
+        """Boot every worker (loads the models in parallel); raises TimeoutError or the worker's error.
+        timeout_s None = spec.worker_start_timeout_s."""
+        async with asyncio.timeout(timeout_s or self.spec.worker_start_timeout_s):
             addresses = await asyncio.gather(*(a.ensure_started.remote() for a in self._actors.values()))
         self._addresses = dict(zip(self._actors, addresses))
         self._supervisors = [asyncio.create_task(self._supervise(wid)) for wid in self._actors]
@@ -131,7 +142,7 @@ class ClusterController:
         import ray
 
         while True:
-            await asyncio.sleep(SUPERVISE_INTERVAL_S)
+            await asyncio.sleep(self.spec.supervise_interval_s)
             try:
                 addr = await self._actors[wid].ensure_started.remote()
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:

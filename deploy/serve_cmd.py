@@ -8,56 +8,138 @@ loopback-only network namespace on machines like the development boxes (see MACH
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
 
 from engine.errors import UserError
 
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+# `pdserve serve --help` groups (typer rich_help_panel), by concern
+MODEL, CLUSTER, SCHED, NET, ROUTER, LEASES = ("Model", "Cluster", "Scheduler and KV cache", "Network",
+                                              "Router", "Timeouts, leases and retries")
+
 
 def command(
-    model: str = typer.Option("smollm2-135m-instruct", help="Model name or HF directory / .gguf path."),
-    prefill: int = typer.Option(1, "--prefill", min=0, help="Prefill workers (disagg mode)."),
-    decode: int = typer.Option(1, "--decode", min=1, help="Decode workers (agg workers in agg mode)."),
-    mode: str = typer.Option("disagg", help="disagg | agg"),
-    kv_transport: str = typer.Option("tcp", help="nixl | torch | tcp"),
-    host: str = typer.Option("127.0.0.1", help="Address every server binds to."),
-    port: int = typer.Option(50051, help="gRPC port of the router."),
-    http_port: int = typer.Option(8000, help="OpenAI-compatible HTTP port (-1: off)."),
-    metrics_port: int = typer.Option(9400, help="Prometheus port of the router; workers use the next ones (-1: off)."),
-    ray_address: str = typer.Option("", help="Existing Ray cluster address; default: start a local one."),
-    local_prefill_threshold: int = typer.Option(0, help="Prompts shorter than this many tokens are prefilled "
-                                                        "on the decode worker."),
-    max_waiting: int = typer.Option(256, help="More waiting requests than this: RESOURCE_EXHAUSTED."),
-    num_blocks: int = typer.Option(512, help="KV blocks per worker."),
-    max_num_seqs: int = typer.Option(32, help="Most requests in a worker's running batch."),
-    num_gpus_per_worker: float = typer.Option(0.0, help="GPUs declared per worker (1 on GPU nodes)."),
-    drain_seconds: float = typer.Option(30.0, help="Grace period for in-flight requests at shutdown."),
+    model_arg: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False,
+                                              help=f"Model name or HF directory / .gguf path (default: {DEFAULT_MODEL})."),
+    model: Optional[str] = typer.Option(None, "--model", help="Same as MODEL (kept for scripts).",
+                                        rich_help_panel=MODEL, show_default=False),
+    served_model_name: Optional[str] = typer.Option(None, help="Model id clients send and see (default: MODEL).",
+                                                    rich_help_panel=MODEL, show_default=False),
+    max_model_len: Optional[int] = typer.Option(None, min=2, help="Longest sequence (prompt + output) in tokens "
+                                                "(default: the model's context).", rich_help_panel=MODEL),
+    chat_template: Optional[Path] = typer.Option(None, help="Jinja chat template file replacing the model's.",
+                                                 rich_help_panel=MODEL, show_default=False),
+    generation_config: str = typer.Option("auto", help="Default sampling values: auto (the model's "
+                                          "generation_config.json), vllm (none) or a directory.",
+                                          rich_help_panel=MODEL),
+    prefill: int = typer.Option(1, "--prefill", min=0, help="Prefill workers (disagg mode).", rich_help_panel=CLUSTER),
+    decode: int = typer.Option(1, "--decode", min=1, help="Decode workers (agg workers in agg mode).",
+                               rich_help_panel=CLUSTER),
+    mode: str = typer.Option("disagg", help="disagg | agg", rich_help_panel=CLUSTER),
+    kv_transport: str = typer.Option("tcp", help="nixl | torch | tcp", rich_help_panel=CLUSTER),
+    ray_address: str = typer.Option("", help="Existing Ray cluster address; default: start a local one.",
+                                    rich_help_panel=CLUSTER),
+    num_gpus_per_worker: float = typer.Option(0.0, min=0.0, help="GPUs declared per worker (1 on GPU nodes).",
+                                              rich_help_panel=CLUSTER),
+    num_cpus_per_worker: float = typer.Option(1.0, min=0.0, help="CPUs Ray reserves per worker.",
+                                              rich_help_panel=CLUSTER),
+    num_blocks: int = typer.Option(512, min=1, help="KV blocks per worker.", rich_help_panel=SCHED),
+    block_size: int = typer.Option(16, min=1, help="Tokens per KV block.", rich_help_panel=SCHED),
+    max_num_seqs: int = typer.Option(32, min=1, help="Most requests in a worker's running batch.",
+                                     rich_help_panel=SCHED),
+    enable_prefix_caching: bool = typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching",
+                                               help="Reuse the KV blocks of a shared prompt prefix.",
+                                               rich_help_panel=SCHED),
+    host: str = typer.Option("127.0.0.1", help="Address every server binds to.", rich_help_panel=NET),
+    port: int = typer.Option(50051, help="gRPC port of the router.", rich_help_panel=NET),
+    http_port: int = typer.Option(8000, help="OpenAI-compatible HTTP port (-1: off).", rich_help_panel=NET),
+    metrics_port: int = typer.Option(9400, help="Prometheus port of the router; workers use the next ones (-1: off).",
+                                     rich_help_panel=NET),
+    local_prefill_threshold: int = typer.Option(0, min=0, help="Prompts shorter than this many tokens are "
+                                                "prefilled on the decode worker.", rich_help_panel=ROUTER),
+    max_waiting: int = typer.Option(256, min=0, help="More waiting requests than this: RESOURCE_EXHAUSTED (429).",
+                                    rich_help_panel=ROUTER),
+    worker_poll_interval: float = typer.Option(0.2, min=0.01, help="Seconds between the router's polls of the "
+                                               "registry and of each worker's load.", rich_help_panel=ROUTER),
+    request_timeout: float = typer.Option(600.0, min=0.001, help="Deadline in seconds of a request that sets none.",
+                                          rich_help_panel=LEASES),
+    reservation_lease: float = typer.Option(120.0, min=0.001, help="Seconds a decode worker keeps blocks reserved "
+                                            "for KV whose Decode never comes.", rich_help_panel=LEASES),
+    hold_lease: float = typer.Option(30.0, min=0.001, help="Seconds a prefill worker holds sent KV blocks "
+                                     "without a Release.", rich_help_panel=LEASES),
+    transfer_timeout: float = typer.Option(30.0, min=0.001, help="Seconds for a prefill worker's KV push to be "
+                                           "confirmed.", rich_help_panel=LEASES),
+    prefill_attempts: int = typer.Option(2, min=1, help="Prefill workers tried per request (all before the "
+                                         "first token).", rich_help_panel=LEASES),
+    abort_timeout: float = typer.Option(30.0, min=0.001, help="Seconds per Abort / Release call to a worker.",
+                                        rich_help_panel=LEASES),
+    worker_rpc_timeout: float = typer.Option(2.0, min=0.001, help="Seconds per Info / Stats call to a worker; "
+                                             "a worker that misses it is marked dead.", rich_help_panel=LEASES),
+    worker_start_timeout: float = typer.Option(300.0, min=1.0, help="Seconds for every worker to load and serve.",
+                                               rich_help_panel=LEASES),
+    drain_seconds: float = typer.Option(30.0, min=0.0, help="Grace period for in-flight requests at shutdown.",
+                                        rich_help_panel=LEASES),
 ) -> None:
-    """pdserve serve: start the router and workers on Ray."""
+    """pdserve serve [MODEL]: start the router and workers on Ray."""
     import asyncio
 
     from deploy.cluster import ClusterSpec
+    from router.app import RouterConfig
 
+    model = _model(model_arg, model)
     if mode not in ("disagg", "agg"):
         raise UserError(f"--mode must be disagg or agg, got {mode!r}")
     if kv_transport not in ("nixl", "torch", "tcp"):
         raise UserError(f"--kv-transport must be nixl, torch or tcp, got {kv_transport!r}")
     if mode == "disagg" and prefill < 1:
         raise UserError("--prefill must be >= 1 in disagg mode")
+    _check_readable(chat_template, "--chat-template")
+    if generation_config not in ("auto", "vllm"):
+        _check_readable(Path(generation_config) / "generation_config.json", "--generation-config")
     spec = ClusterSpec(model=model, num_prefill=prefill if mode == "disagg" else 0, num_decode=decode, mode=mode,
                        kv_transport=kv_transport, num_blocks=num_blocks, max_num_seqs=max_num_seqs, host=host,
                        metrics_port=None if metrics_port < 0 else metrics_port,
-                       num_gpus_per_worker=num_gpus_per_worker)
-    asyncio.run(_serve(spec, port, None if http_port < 0 else http_port, ray_address or None,
-                       local_prefill_threshold, max_waiting, drain_seconds))
+                       num_gpus_per_worker=num_gpus_per_worker, num_cpus_per_worker=num_cpus_per_worker,
+                       block_size=block_size, max_model_len=max_model_len,
+                       enable_prefix_caching=enable_prefix_caching, served_model_name=served_model_name,
+                       transfer_timeout_s=transfer_timeout, worker_start_timeout_s=worker_start_timeout)
+    router = RouterConfig(host=host, port=port, http_port=None if http_port < 0 else http_port,
+                          metrics_port=spec.metrics_port, mode=mode, local_prefill_threshold=local_prefill_threshold,
+                          max_waiting=max_waiting, drain_grace_s=drain_seconds, served_model_name=served_model_name,
+                          chat_template=None if chat_template is None else str(chat_template),
+                          generation_config=generation_config, request_timeout_s=request_timeout,
+                          reservation_lease_s=reservation_lease, hold_lease_s=hold_lease,
+                          prefill_attempts=prefill_attempts, abort_timeout_s=abort_timeout,
+                          worker_poll_interval_s=worker_poll_interval, worker_rpc_timeout_s=worker_rpc_timeout)
+    asyncio.run(_serve(spec, router, ray_address or None))
 
 
-async def _serve(spec, port: int, http_port: int | None, ray_address: str | None, threshold: int,
-                 max_waiting: int, drain_s: float) -> None:
+def _model(positional: str | None, option: str | None) -> str:
+    """MODEL and --model name the same thing; giving two different ones is a usage error."""
+    if positional and option and positional != option:
+        raise UserError(f"MODEL {positional!r} and --model {option!r} differ; give one")
+    return positional or option or DEFAULT_MODEL
+
+
+def _check_readable(path: Path | None, flag: str) -> None:
+    if path is None:
+        return
+    try:
+        path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{flag}: cannot read {str(path)!r}: {getattr(e, 'strerror', None) or e}") from None
+
+
+async def _serve(spec, router_config, ray_address: str | None) -> None:
     import asyncio
     import signal
 
     from deploy.cluster import ClusterController, init_ray
-    from router.app import Router, RouterConfig
+    from router.app import Router
     from router.registry import CallableRegistry
 
     n_workers = len(spec.worker_configs())
@@ -71,11 +153,10 @@ async def _serve(spec, port: int, http_port: int | None, ray_address: str | None
     try:
         print(f"pdserve: starting {n_workers} workers ({spec.mode}, kv transport {spec.kv_transport})...", flush=True)
         await _until_stopped(controller.start(), stop)
-        router = Router(CallableRegistry(controller.list_workers), RouterConfig(
-            host=spec.host, port=port, http_port=http_port, metrics_port=spec.metrics_port, mode=spec.mode,
-            local_prefill_threshold=threshold, max_waiting=max_waiting, drain_grace_s=drain_s))
+        router = Router(CallableRegistry(controller.list_workers), router_config)
         ep = await router.start()
-        lines = [f"pdserve: serving {spec.model}", f"  grpc     {ep.grpc}"]
+        lines = [f"pdserve: serving {spec.model}" + (f" as {spec.served_model_name}" if spec.served_model_name
+                                                      else ""), f"  grpc     {ep.grpc}"]
         lines += [f"  http     http://{ep.http}/v1"] if ep.http else []
         lines += [f"  metrics  http://{ep.metrics}/metrics"] if ep.metrics else []
         print("\n".join(lines), flush=True)

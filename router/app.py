@@ -19,15 +19,23 @@ from router.grpc_server import NOT_SERVING, SERVICE_NAME, SERVING, build_server
 from router.http_server import build_app
 from router.metrics import RouterMetrics, serve_metrics
 from router.orchestrator import FlowConfig, Orchestrator
-from router.pool import WorkerPool
+from router.pool import RPC_TIMEOUT_S, WorkerPool
 from router.registry import Registry
-from router.service import RouterService
+from router.service import DEFAULT_DEADLINE_S, RouterService, ServiceConfig
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class RouterConfig:
+    """Every router setting; `pdserve serve` has a flag for each (deploy/serve_cmd.py).
+
+    served_model_name: the id clients send and see (None = the workers' model id).
+    chat_template: a Jinja file replacing the model's chat template (None = the model's).
+    generation_config: "auto" (default sampling values from the model's generation_config.json),
+        "vllm" (none), or a directory holding a generation_config.json.
+    """
+
     host: str = "127.0.0.1"
     port: int = 50051              # gRPC; 0 = any free port
     http_port: int | None = 8000   # None = no HTTP server; 0 = any free port
@@ -36,6 +44,24 @@ class RouterConfig:
     local_prefill_threshold: int = 0
     max_waiting: int = 256
     drain_grace_s: float = 30.0
+    served_model_name: str | None = None
+    chat_template: str | None = None
+    generation_config: str = "auto"
+    request_timeout_s: float = DEFAULT_DEADLINE_S
+    reservation_lease_s: float = FlowConfig.reservation_lease_s
+    hold_lease_s: float = FlowConfig.hold_lease_s
+    prefill_attempts: int = FlowConfig.prefill_attempts
+    abort_timeout_s: float = FlowConfig.abort_timeout_s
+    worker_poll_interval_s: float = 0.2
+    worker_rpc_timeout_s: float = RPC_TIMEOUT_S
+
+    def flow(self) -> FlowConfig:
+        return FlowConfig(self.mode, self.local_prefill_threshold, self.reservation_lease_s, self.hold_lease_s,
+                          self.prefill_attempts, self.abort_timeout_s)
+
+    def service(self) -> ServiceConfig:
+        return ServiceConfig(self.max_waiting, self.served_model_name, self.chat_template, self.generation_config,
+                             self.request_timeout_s)
 
 
 @dataclass
@@ -48,10 +74,10 @@ class Endpoints:
 class Router:
     def __init__(self, registry: Registry, config: RouterConfig) -> None:
         self.config = config
-        self.pool = WorkerPool(registry)
-        self.orchestrator = Orchestrator(self.pool, FlowConfig(config.mode, config.local_prefill_threshold))
+        self.pool = WorkerPool(registry, config.worker_poll_interval_s, config.worker_rpc_timeout_s)
+        self.orchestrator = Orchestrator(self.pool, config.flow())
         self.metrics = RouterMetrics()
-        self.service = RouterService(self.pool, self.orchestrator, self.metrics, config.max_waiting)
+        self.service = RouterService(self.pool, self.orchestrator, self.metrics, config.service())
         self._grpc = None
         self._health = None
         self._uvicorn: uvicorn.Server | None = None

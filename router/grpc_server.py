@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from proto.pdserve.v1 import api_pb2, api_pb2_grpc
 from proto.sampling import InvalidRequest, from_wire
 from router.errors import ServiceError
-from router.service import RouterService
+from router.service import RouterService, with_defaults
 from router.tokenizer import ChatMessage
 
 SERVICE_NAME = api_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -26,8 +26,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            prepared = self._svc.prepare(request.model, from_wire(request.sampling), request_id=request.request_id,
-                                         **_input(request))
+            sampling = from_wire(with_defaults(request.sampling, self._svc.generation_defaults))
+            prepared = self._svc.prepare(request.model, sampling, request_id=request.request_id, **_input(request))
             async for d in self._svc.stream(prepared, context.time_remaining()):
                 msg = api_pb2.GenerateResponse(request_id=prepared.request_id, token_ids=d.token_ids, text=d.text,
                                                finish_reason=d.finish_reason or "")

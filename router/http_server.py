@@ -33,22 +33,28 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str = ""
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | None = None
+    top_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    top_k: int = Field(default=0, description="vLLM extension: keep the k most likely tokens (0 = all)")
+    top_k: int | None = Field(default=None, description="vLLM extension: keep the k most likely tokens (0 = all)")
     ignore_eos: bool = Field(default=False, description="vLLM extension: generate past EOS until max_tokens")
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
     timeout: float | None = Field(default=None, description="pdserve extension: deadline in seconds")
 
-    def sampling(self, max_tokens: int | None) -> SamplingParams:
-        """Validated params; raises InvalidRequest naming the field (answered as a 400)."""
+    def sampling(self, max_tokens: int | None, defaults: dict) -> SamplingParams:
+        """Validated params; raises InvalidRequest naming the field (answered as a 400).
+        defaults: values for unset fields (--generation-config), else the OpenAI defaults."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                              max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, stop=stop,
+
+        def pick(name: str, value, fallback):
+            return value if value is not None else defaults.get(name, fallback)
+
+        return SamplingParams(temperature=pick("temperature", self.temperature, 1.0),
+                              top_p=pick("top_p", self.top_p, 1.0), top_k=pick("top_k", self.top_k, 0), seed=self.seed,
+                              max_tokens=pick("max_tokens", max_tokens, DEFAULT_MAX_TOKENS), stop=stop,
                               ignore_eos=self.ignore_eos)
 
 
@@ -124,7 +130,7 @@ def _prompt_input(prompt: str | list) -> dict:
 def _prepare(service: RouterService, body: _SamplingFields, max_tokens: int | None, **inputs) -> Prepared:
     if body.n != 1:
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"n: only n=1 is supported, got {body.n}")
-    return service.prepare(body.model, body.sampling(max_tokens), **inputs)
+    return service.prepare(body.model, body.sampling(max_tokens, service.generation_defaults), **inputs)
 
 
 async def _respond(service: RouterService, body: _SamplingFields, prepared: Prepared, request: Request, chat: bool):

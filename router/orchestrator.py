@@ -42,6 +42,17 @@ class FlowConfig:
     local_prefill_threshold: int = 0     # prompts shorter than this skip the prefill worker
     reservation_lease_s: float = 120.0   # D frees a reservation whose Decode never starts (> prefill queueing + transfer timeout)
     hold_lease_s: float = 30.0           # P frees its hold if no Release comes
+    prefill_attempts: int = 2            # tries on distinct prefill workers, all before any token was sent
+    abort_timeout_s: float = ABORT_TIMEOUT_S  # per Abort / Release RPC
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disagg", "agg"):
+            raise ValueError(f"mode must be disagg or agg, got {self.mode!r}")
+        if self.prefill_attempts < 1:
+            raise ValueError(f"prefill_attempts must be >= 1, got {self.prefill_attempts}")
+        for name in ("reservation_lease_s", "hold_lease_s", "abort_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclass
@@ -146,7 +157,8 @@ class Orchestrator:
                                         destination=dest, hold_seconds=self.config.hold_lease_s)
         tried: set[str] = set()
         error: ServiceError | None = None
-        for _ in range(2):  # the first attempt and one retry, both before any token was sent
+        attempts = self.config.prefill_attempts
+        for _ in range(attempts):  # every attempt happens before any token was sent
             wid = choose_prefill(self._pool.loads("prefill"), exclude=frozenset(tried))
             if wid is None:
                 break
@@ -163,7 +175,7 @@ class Orchestrator:
                 legs.open.pop(wid)
                 self._spawn(self._abort(p, legs.request_id))
                 log.warning("prefill of %s failed on %s, %s: %s", legs.request_id, wid,
-                            "retrying" if len(tried) < 2 else "giving up", e.message)
+                            "retrying" if len(tried) < attempts else "giving up", e.message)
             finally:
                 p.inflight -= 1
         raise error or ServiceError(grpc.StatusCode.UNAVAILABLE, "no live prefill worker; retry later")
@@ -194,13 +206,13 @@ class Orchestrator:
 
     async def _abort(self, w: WorkerHandle, request_id: str) -> None:
         try:
-            await w.stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S)
+            await w.stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=self.config.abort_timeout_s)
         except grpc.RpcError as e:  # a dead worker frees everything anyway
             log.info("abort of %s on %s failed: %s", request_id, w.id, e.code())
 
     async def _release(self, w: WorkerHandle, request_id: str) -> None:
         try:
-            await w.stub.Release(worker_pb2.ReleaseRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S)
+            await w.stub.Release(worker_pb2.ReleaseRequest(request_id=request_id), timeout=self.config.abort_timeout_s)
         except grpc.RpcError as e:  # the hold lease frees it
             log.info("release of %s on %s failed: %s", request_id, w.id, e.code())
 

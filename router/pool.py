@@ -44,9 +44,10 @@ class WorkerHandle:
 
 
 class WorkerPool:
-    def __init__(self, registry: Registry, poll_interval_s: float = 0.2) -> None:
+    def __init__(self, registry: Registry, poll_interval_s: float = 0.2, rpc_timeout_s: float = RPC_TIMEOUT_S) -> None:
         self._registry = registry
         self._poll_s = poll_interval_s
+        self._rpc_timeout_s = rpc_timeout_s
         self._workers: dict[str, WorkerHandle] = {}
         self._task: asyncio.Task | None = None
         self.changed = asyncio.Event()
@@ -99,7 +100,7 @@ class WorkerPool:
         channel = grpc.aio.insecure_channel(e.address)
         stub = worker_pb2_grpc.WorkerStub(channel)
         try:
-            info = await stub.Info(worker_pb2.InfoRequest(), timeout=RPC_TIMEOUT_S)
+            info = await stub.Info(worker_pb2.InfoRequest(), timeout=self._rpc_timeout_s)
         except grpc.RpcError as err:
             log.info("worker %s at %s not reachable yet: %s", e.id, e.address, err.code())
             await channel.close()
@@ -109,7 +110,7 @@ class WorkerPool:
 
     async def _poll_stats(self, w: WorkerHandle) -> None:
         try:
-            w.stats = await w.stub.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT_S)
+            w.stats = await w.stub.Stats(worker_pb2.StatsRequest(), timeout=self._rpc_timeout_s)
             w.alive = True
         except grpc.RpcError:
             w.alive = False

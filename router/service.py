@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import AsyncIterator
 
 import grpc
@@ -47,16 +49,34 @@ class Delta:
     ttft_s: float | None = None
 
 
+@dataclass(frozen=True)
+class ServiceConfig:
+    """max_waiting: admitted-but-not-started requests before RESOURCE_EXHAUSTED.
+    served_model_name: the model id clients use (None = the workers' model id).
+    chat_template: path of a Jinja chat template replacing the model's (None = the model's).
+    generation_config: "auto" | "vllm" | a directory (see `generation_defaults`).
+    request_timeout_s: deadline of a request that names none."""
+
+    max_waiting: int = 256
+    served_model_name: str | None = None
+    chat_template: str | None = None
+    generation_config: str = "auto"
+    request_timeout_s: float = DEFAULT_DEADLINE_S
+
+
 class RouterService:
     def __init__(self, pool: WorkerPool, orchestrator: Orchestrator, metrics: RouterMetrics,
-                 max_waiting: int = 256) -> None:
+                 config: ServiceConfig = ServiceConfig()) -> None:
         self.pool = pool
         self.orchestrator = orchestrator
         self.metrics = metrics
-        self.max_waiting = max_waiting
+        self.config = config
+        self.max_waiting = config.max_waiting
         self.waiting = 0
         self.running = 0
         self._tokenizer: RouterTokenizer | None = None
+        self._chat_template = _read_template(config.chat_template)
+        self._defaults: dict | None = None
 
     # -- model facts, learned from the workers ------------------------------------------------
     def _info(self):
@@ -67,7 +87,7 @@ class RouterService:
 
     @property
     def model_id(self) -> str:
-        return self._info().model_id
+        return self.config.served_model_name or self._info().model_id
 
     @property
     def max_model_len(self) -> int:
@@ -76,8 +96,17 @@ class RouterService:
     @property
     def tokenizer(self) -> RouterTokenizer:
         if self._tokenizer is None:
-            self._tokenizer = RouterTokenizer(self._info().tokenizer_dir)
+            self._tokenizer = RouterTokenizer(self._info().tokenizer_dir, chat_template=self._chat_template)
         return self._tokenizer
+
+    @property
+    def generation_defaults(self) -> dict:
+        """Default sampling values for fields a request leaves unset (vLLM's --generation-config)."""
+        if self._defaults is None:
+            source = self.config.generation_config
+            self._defaults = {} if source == "vllm" else generation_defaults(
+                Path(self._info().tokenizer_dir if source == "auto" else source))
+        return self._defaults
 
     # -- request preparation ---------------------------------------------------------------------
     def tokenize(self, model: str, prompt: str | None = None, chat: list[ChatMessage] | None = None,
@@ -117,7 +146,7 @@ class RouterService:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"more than {self.max_waiting} requests waiting; retry later")
         start = time.perf_counter()
-        deadline = asyncio.get_running_loop().time() + (timeout_s or DEFAULT_DEADLINE_S)
+        deadline = asyncio.get_running_loop().time() + (timeout_s or self.config.request_timeout_s)
         self.waiting += 1
         self.metrics.waiting.inc()
         started = False
@@ -193,3 +222,39 @@ class RouterService:
         m.prompt_tokens.inc(n_prompt)
         m.generation_tokens.inc(n_out)
         m.prefix_hits.inc(cached)
+
+
+# generation_config.json key -> our sampling field (transformers' names; vLLM reads the same keys)
+_GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                    "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model_dir: Path) -> dict:
+    """The sampling defaults in model_dir/generation_config.json (missing file: none).
+
+    Only the keys in _GENERATION_KEYS are used; a key the file does not set keeps the server default."""
+    path = model_dir / "generation_config.json"
+    if not path.exists():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {ours: config[theirs] for theirs, ours in _GENERATION_KEYS.items() if config.get(theirs) is not None}
+
+
+def _read_template(path: str | None) -> str | None:
+    """The text of a --chat-template file (checked readable by the CLI before anything starts)."""
+    return None if path is None else Path(path).read_text()
+
+
+def with_defaults(wire: api_pb2.SamplingOptions, defaults: dict) -> api_pb2.SamplingOptions:
+    """A copy of a client's wire options with `defaults` (--generation-config) in the fields it left unset."""
+    out = api_pb2.SamplingOptions()
+    out.CopyFrom(wire)
+    for name in ("temperature", "top_p", "max_tokens"):
+        if not out.HasField(name) and name in defaults:
+            setattr(out, name, defaults[name])
+    if not out.top_k and "top_k" in defaults:
+        out.top_k = defaults["top_k"]
+    return out

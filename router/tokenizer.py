@@ -29,12 +29,13 @@ class ChatMessage:
 class RouterTokenizer:
     """Encode prompts (plain or chat) and decode token ids, from an HF-layout directory."""
 
-    def __init__(self, tokenizer_dir: str | Path) -> None:
+    def __init__(self, tokenizer_dir: str | Path, chat_template: str | None = None) -> None:
+        """chat_template: Jinja text replacing the model's template (`--chat-template`)."""
         d = Path(tokenizer_dir)
         self._tok = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
         config = _read_json(d / "tokenizer_config.json")
         self._special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
-        template = _read_chat_template(d, config)
+        template = chat_template if chat_template is not None else _read_chat_template(d, config)
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self._template = env.from_string(template) if template else None
 

@@ -108,6 +108,22 @@ def test_http_request_carries_vllm_sampling_extensions():
     """`ignore_eos` and `top_k` (vLLM's extensions, used by benchmark clients) reach the workers."""
     from router.http_server import CompletionRequest
 
-    s = CompletionRequest(prompt="hi", ignore_eos=True, top_k=5, max_tokens=7).sampling(7)
+    s = CompletionRequest(prompt="hi", ignore_eos=True, top_k=5, max_tokens=7).sampling(7, {})
     assert (s.ignore_eos, s.top_k, s.max_tokens) == (True, 5, 7)
-    assert CompletionRequest(prompt="hi").sampling(None).ignore_eos is False
+    assert CompletionRequest(prompt="hi").sampling(None, {}).ignore_eos is False
+
+
+def test_generation_config_defaults_fill_only_unset_fields(tmp_path):
+    """--generation-config auto: the model's generation_config.json gives the defaults a request leaves unset."""
+    import json
+
+    from router.http_server import CompletionRequest
+    from router.service import generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 33, "eos_token_id": 2}))
+    defaults = generation_defaults(tmp_path)
+    assert defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 33}
+    s = CompletionRequest(prompt="hi", temperature=0.0).sampling(None, defaults)
+    assert (s.temperature, s.top_p, s.top_k, s.max_tokens) == (0.0, 0.9, 20, 33)
+    assert generation_defaults(tmp_path / "missing") == {}

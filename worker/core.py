@@ -53,6 +53,9 @@ class WorkerConfig:
     port: int = 0
     metrics_port: int | None = None
     transfer_timeout_s: float = 30.0
+    max_model_len: int | None = None       # None = the model's context length; never above it
+    enable_prefix_caching: bool = True
+    served_model_name: str | None = None   # the model id reported to the router (None = `model`)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "agg"):
@@ -92,7 +95,7 @@ class WorkerCore:
         """Validate a request; raises WorkerError(INVALID_ARGUMENT) naming the field."""
         try:
             params = from_wire(wire, **override)
-            check_prompt(prompt_ids, params.max_tokens, self.model_config.max_model_len, self.model_config.vocab_size)
+            check_prompt(prompt_ids, params.max_tokens, self.max_model_len, self.model_config.vocab_size)
         except InvalidRequest as e:
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         return params
@@ -135,12 +138,18 @@ class WorkerCore:
         mc = self.model_config
         return worker_pb2.WorkerInfo(
             id=self.config.worker_id, role=self.config.role, model_id=self.model_id, tokenizer_dir=str(self.model_dir),
-            max_model_len=mc.max_model_len, eos_token_ids=list(mc.eos_token_ids), block_size=self.config.block_size,
+            max_model_len=self.max_model_len, eos_token_ids=list(mc.eos_token_ids), block_size=self.config.block_size,
             kv_transport="" if self.config.role == "agg" else self.config.kv_transport, kv_metadata=self.kv_metadata)
 
     @property
     def model_id(self) -> str:
-        return self.config.model
+        return self.config.served_model_name or self.config.model
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + output) this worker accepts: --max-model-len, capped by the model."""
+        limit = self.model_config.max_model_len
+        return min(self.config.max_model_len, limit) if self.config.max_model_len else limit
 
     def stats(self, held: int = 0, leases: int = 0) -> worker_pb2.WorkerStats:
         s = self.engine.stats()

@@ -112,8 +112,9 @@ def load_engine(config: WorkerConfig):
         model=str(model_dir),
         scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                  max_waiting=config.max_waiting),
-        cache=CacheConfig(block_size=config.block_size, num_blocks=config.num_blocks),
+                                  max_waiting=config.max_waiting, max_model_len=config.max_model_len),
+        cache=CacheConfig(block_size=config.block_size, num_blocks=config.num_blocks,
+                          enable_prefix_caching=config.enable_prefix_caching),
         num_threads=config.num_threads, device=config.device))
     return engine, model_dir, _runner(engine)
 

@@ -1,0 +1,115 @@
+"""Usage errors of the `pdserve` command: every sub-command given an unknown flag, and an unknown
+command, print one line naming the problem with the command's usage, and exit with status 2 —
+no traceback. Also the serve flags a vLLM user types (parsed only; nothing starts)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer.main
+
+from deploy import cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _leaf_commands(cmd, path=()):
+    subs = getattr(cmd, "commands", None)
+    if not subs:
+        yield list(path)
+        return
+    for name, sub in subs.items():
+        yield from _leaf_commands(sub, (*path, name))
+
+
+LEAVES = list(_leaf_commands(typer.main.get_command(cli.app)))
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    return exc.value.code, capsys.readouterr().err
+
+
+def test_every_command_is_covered():
+    assert ["serve"] in LEAVES and ["bench", "serve"] in LEAVES and len(LEAVES) >= 8
+
+
+@pytest.mark.parametrize("path", LEAVES, ids=" ".join)
+def test_unknown_flag_is_one_usage_line_exit_2(path, capsys):
+    code, err = _run([*path, "--bogus-flag"], capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "--bogus-flag" in lines[0] and f"Usage: pdserve {' '.join(path)}" in lines[0]
+
+
+@pytest.mark.parametrize("argv", [["bogus"], ["bench", "bogus"]], ids=" ".join)
+def test_unknown_command_exit_2(argv, capsys):
+    code, err = _run(argv, capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and "No such command 'bogus'" in err and "Usage: pdserve" in err
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["serve", "--max-model-len", "1"], "--max-model-len"),
+    (["serve", "--num-blocks", "x"], "--num-blocks"),
+    (["serve", "a-model", "--model", "another"], "MODEL 'a-model' and --model 'another' differ"),
+    (["serve", "--chat-template", "/nonexistent/t.jinja"], "--chat-template"),
+    (["serve", "--generation-config", "/nonexistent"], "--generation-config"),
+    (["serve", "--mode", "both"], "--mode"),
+])
+def test_bad_serve_values_exit_2_before_anything_starts(argv, fragment, capsys):
+    code, err = _run(argv, capsys)
+    assert code == 2 and fragment in err and err.count("\n") == 1, err
+
+
+def test_subprocess_has_no_traceback():
+    """The real entry point (python -m deploy.cli), as a user runs it."""
+    for argv in (["bogus"], ["generate", "--bogus"]):
+        r = subprocess.run([sys.executable, "-m", "deploy.cli", *argv], cwd=REPO, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and "Usage: pdserve" in r.stderr, r.stderr
+
+
+def test_serve_help_is_grouped_by_concern():
+    import typer.testing
+
+    out = typer.testing.CliRunner().invoke(cli.app, ["serve", "--help"], prog_name="pdserve",
+                                           env={"COLUMNS": "200"}).output
+    for panel in ("Model", "Cluster", "Scheduler and KV cache", "Network", "Router", "Timeouts, leases and retries"):
+        assert f" {panel} " in out, panel
+    for flag in ("--served-model-name", "--max-model-len", "--no-enable-prefix-caching", "--chat-template",
+                 "--generation-config", "--reservation-lease", "--hold-lease", "--transfer-timeout",
+                 "--prefill-attempts", "--abort-timeout", "--worker-rpc-timeout", "--request-timeout"):
+        assert flag in out, flag
+
+
+def test_serve_flags_reach_the_worker_and_router_configs(monkeypatch, tmp_path):
+    """What `serve` would start, captured instead of started (the cluster tests start real ones)."""
+    from deploy import serve_cmd
+
+    captured = {}
+
+    async def fake_serve(spec, router_config, ray_address):
+        captured.update(spec=spec, router=router_config)
+
+    monkeypatch.setattr(serve_cmd, "_serve", fake_serve)
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    cli.main(["serve", "my-model", "--served-model-name", "smol", "--max-model-len", "1024",
+              "--no-enable-prefix-caching", "--chat-template", str(template), "--hold-lease", "7",
+              "--reservation-lease", "9", "--prefill-attempts", "3", "--transfer-timeout", "4",
+              "--request-timeout", "5", "--worker-rpc-timeout", "1.5"])
+    spec, router = captured["spec"], captured["router"]
+    w = spec.worker_configs()[0]
+    assert (w.model, w.served_model_name, w.max_model_len, w.enable_prefix_caching, w.transfer_timeout_s) == (
+        "my-model", "smol", 1024, False, 4.0)
+    flow, service = router.flow(), router.service()
+    assert (flow.hold_lease_s, flow.reservation_lease_s, flow.prefill_attempts) == (7.0, 9.0, 3)
+    assert (service.served_model_name, service.chat_template, service.request_timeout_s) == (
+        "smol", str(template), 5.0)
+    assert router.worker_rpc_timeout_s == 1.5
