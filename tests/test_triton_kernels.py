@@ -42,6 +42,9 @@ def interpreter_run(tmp_path_factory):
     "test_decode_attention",     # split-K paged decode attention: dtypes, FP8 scales, GQA, splits, bad input
     "test_fp8_decode",           # FP8 attention against unquantized K/V
     "test_backend",              # the "triton" attention backend against the "torch" one
+    "test_fp8_gemm",             # FP8 GEMM, per-token x per-channel scales: out dtypes, bias, edges, bad input
+    "test_fp8_linear",           # FP8 linear against the fp32 linear
+    "test_rms_norm",             # RMSNorm and fused add + RMSNorm: dtypes, the model's layer, bad input
 ])
 def test_interpreter_cases(interpreter_run, family):
     outcomes, output = interpreter_run

@@ -7,7 +7,10 @@ Shapes are tiny: the interpreter runs every program of a grid in Python.
 Tolerances (max abs error against the reference, which computes in fp32 from the same inputs):
 fp32 1e-5; fp16 outputs 2e-3 (about two fp16 ulps at 1); bf16 outputs 1.6e-2 (two bf16 ulps);
 FP8 caches 1e-5 (the reference dequantizes the same E4M3 bytes exactly, so only summation
-order differs).
+order differs). FP8 GEMM and RMSNorm, relative to the largest output: fp32 1e-5; the GEMM's bf16 /
+fp16 outputs one rounding (2^-7 / 2^-10); RMSNorm's two (2^-6 / 2^-9: the fused residual is
+rounded before the norm, then the output). The interpreter converts fp32 to bf16 by truncation (torch and GPUs round to
+nearest), so bf16 outputs may differ by one more ulp than on a GPU.
 """
 
 from __future__ import annotations
@@ -174,3 +177,106 @@ def test_backend_fp8_cache_with_per_head_scales(seqs):
     deq_v = v8.float() * v_scale.view(1, 1, 2, 1)
     want = get_attention_backend("torch").paged_attention(query, deq_k, deq_v, meta, 0.17)
     assert max_err(got, want) <= 1e-5
+
+
+# -- FP8 GEMM ----------------------------------------------------------------------------------
+from kernels.triton.fp8_gemm import fp8_gemm, fp8_gemm_ref, fp8_linear, quantize_per_channel, quantize_per_token  # noqa: E402,E501
+
+
+@pytest.mark.parametrize("out_dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -7), (torch.float16, 2 ** -10)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp8_gemm_matches_reference(out_dtype, tol, with_bias):
+    # M, N, K not multiples of the 16-wide tiles: masked edges in every dimension and a K tail.
+    gen = torch.Generator().manual_seed(5)
+    a, a_scale = quantize_per_token(torch.randn(5, 40, generator=gen))
+    b, b_scale = quantize_per_channel(torch.randn(24, 40, generator=gen) * 0.1)
+    bias = torch.randn(24, generator=gen) if with_bias else None
+    got = fp8_gemm(a, b, a_scale, b_scale, bias, out_dtype, block_m=16, block_n=16, block_k=16)
+    want = fp8_gemm_ref(a, b, a_scale, b_scale, bias, out_dtype)
+    assert got.dtype == out_dtype and got.shape == (5, 24)
+    # Relative to the output's size: fp32 summation order (fp32), one rounding of the output (bf16, fp16).
+    assert max_err(got, want) <= tol * want.float().abs().max().item()
+
+
+def test_fp8_linear_is_close_to_the_fp32_linear():
+    # Per-token and per-channel scales really applied: against x @ W^T in fp32.
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 2, 48, generator=gen)
+    w = torch.randn(20, 48, generator=gen) * 0.05
+    wq, w_scale = quantize_per_channel(w)
+    got = fp8_linear(x, wq, w_scale)
+    exact = x @ w.T
+    assert got.shape == (3, 2, 20)
+    # Two E4M3 roundings per product (<= 6% each), averaging over K = 48: 5% of the largest output.
+    assert max_err(got, exact) <= 0.05 * exact.abs().max().item()
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda a: a.update(a=a["a"].float()), "float8_e4m3fn"),
+    (lambda a: a.update(b=a["b"][:, :8]), "same K"),
+    (lambda a: a.update(a_scale=a["a_scale"][:2]), "per token"),
+    (lambda a: a.update(b=a["b"].T.contiguous().T), "contiguous along K"),
+    (lambda a: a.update(bias=torch.zeros(3)), "bias"),
+    (lambda a: a.update(out_dtype=torch.int32), "out_dtype"),
+])
+def test_fp8_gemm_rejects_bad_input(change, message):
+    a, a_scale = quantize_per_token(torch.randn(4, 16))
+    b, b_scale = quantize_per_channel(torch.randn(16, 16))
+    args = dict(a=a, b=b, a_scale=a_scale, b_scale=b_scale, bias=None, out_dtype=torch.float32)
+    change(args)
+    with pytest.raises(ValueError, match=message):
+        fp8_gemm(**args)
+
+
+# -- fused RMSNorm (+ residual) ----------------------------------------------------------------
+from kernels.triton.rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_ref  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -6), (torch.float16, 2 ** -9)])
+def test_rms_norm_matches_reference(dtype, tol):
+    # hidden 40: not a power of two, the row's block is masked.
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(6, 40, generator=gen) * 3).to(dtype)
+    w = (torch.rand(40, generator=gen) + 0.5).to(dtype)
+    got, want = rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5)
+    assert got.dtype == dtype
+    assert max_err(got, want) <= tol * want.float().abs().max().item()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -6), (torch.float16, 2 ** -9)])
+def test_rms_norm_fused_add_matches_reference(dtype, tol):
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(5, 24, generator=gen).to(dtype)
+    residual = (torch.randn(5, 24, generator=gen) * 4).to(dtype)
+    w = (torch.rand(24, generator=gen) + 0.5).to(dtype)
+    before = residual.clone()
+    got, got_residual = fused_add_rms_norm(x, residual, w, 1e-6)
+    want, want_residual = rms_norm_ref(x, w, 1e-6, residual)
+    assert torch.equal(residual, before)                       # inputs are not modified
+    # One fp32 add, one rounding: exact on a GPU; the interpreter rounds fp32 -> bf16 toward zero
+    # (checked: it truncates), torch to nearest, so one bf16 ulp there.
+    assert max_err(got_residual, want_residual) <= (2 ** -7 if dtype == torch.bfloat16 else 0) * want_residual.float().abs().max().item()
+    assert max_err(got, want) <= tol * want.float().abs().max().item()
+
+
+def test_rms_norm_matches_the_model_layer():
+    # The kernel computes what engine/models/llama.py's RMSNorm computes (fp32 here).
+    from engine.models.llama import RMSNorm
+
+    layer = RMSNorm(32, 1e-5)
+    with torch.no_grad():
+        layer.weight.copy_(torch.rand(32) + 0.5)
+    x = torch.randn(4, 32)
+    assert max_err(rms_norm(x, layer.weight.detach(), 1e-5), layer(x).detach()) <= 1e-5
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: rms_norm(torch.randn(2, 3, 4), torch.ones(4), 1e-5), "num_tokens, hidden"),
+    (lambda: rms_norm(torch.randn(2, 4), torch.ones(5), 1e-5), "weight"),
+    (lambda: rms_norm(torch.randn(4, 2).T, torch.ones(4), 1e-5), "contiguous"),
+    (lambda: fused_add_rms_norm(torch.randn(2, 4), torch.randn(3, 4), torch.ones(4), 1e-5), "residual shape"),
+    (lambda: rms_norm(torch.randn(2, 4).double(), torch.ones(4), 1e-5), "not supported"),
+])
+def test_rms_norm_rejects_bad_input(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
