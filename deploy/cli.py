@@ -17,7 +17,7 @@ from bench import engine as bench_engine
 from bench import kv_transfer as bench_kv_transfer
 from bench import offline as bench_offline
 from bench import serve as bench_serve
-from deploy import generate_cmd, serve_cmd, status_cmd
+from deploy import generate_cmd, plan_cmd, serve_cmd, status_cmd
 from engine.errors import UserError
 from evals import perplexity as eval_perplexity
 from proto.sampling import InvalidRequest
@@ -32,6 +32,7 @@ app.add_typer(eval_app, name="eval")
 app.command("generate")(generate_cmd.command)
 app.command("serve")(serve_cmd.command)
 app.command("status")(status_cmd.command)
+app.command("plan")(plan_cmd.command)
 bench_app.command("engine")(bench_engine.command)
 bench_app.command("offline")(bench_offline.command)
 bench_app.command("kv-transfer")(bench_kv_transfer.command)

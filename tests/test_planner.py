@@ -176,3 +176,37 @@ def test_planner_follows_a_diurnal_trace_with_fewer_worker_hours_than_a_peak_fle
     peak_at = sizes.index(max(sizes))
     assert sizes[0] < max(sizes) and sizes[-1] < max(sizes) and 0 < peak_at < len(sizes) - 1   # grew, then shrank
     assert planned.attainment(1000, 60) > 0.75
+
+
+# -- pdserve plan ---------------------------------------------------------------------------------
+def _plan(*args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "deploy.cli", "plan", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_plan_sizes_a_fleet_from_a_profile_file(tmp_path):
+    prof = tmp_path / "profile.json"
+    PROFILE.save(prof)
+    out = tmp_path / "plan.json"
+    r = _plan("--profile", str(prof), "--rate", "5", "--isl", "512", "--osl", "32", "--slo", "ttft:1000,itl:60",
+              "--duration", "120", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    import json
+
+    doc = json.loads(out.read_text())
+    assert doc["prefill"] >= 2 and doc["decode"] >= 1 and doc["attainment"] >= 0.95
+    assert f"prefill {doc['prefill']}, decode {doc['decode']} workers" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--profile", "nope.json", "--rate", "1"], "--profile 'nope.json': no such file"),
+    (["--profile", "roofline:h200-llama3-8b", "--rate", "1", "--slo", "ttft:fast"], "--slo"),
+    (["--profile", "roofline:h200-llama3-8b"], "exactly one of --rate, --trace, --diurnal"),
+    (["--profile", "roofline:h200-llama3-8b", "--diurnal", "1:2"], "--diurnal"),
+])
+def test_plan_bad_input_is_one_line_and_status_2(args, message):
+    r = _plan(*args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
