@@ -171,4 +171,4 @@ class LLM:
     def _output(self, s: _Sequence) -> CompletionOutput:
         text = s.text if s.text is not None else self._detokenize(s.token_ids, s.params)
         return CompletionOutput(s.prompt_token_ids, s.token_ids, text, s.finish_reason or "length",
-                                s.logprobs if s.params.logprobs else None)
+                                s.logprobs if s.params.logprobs is not None else None)

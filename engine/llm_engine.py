@@ -65,7 +65,7 @@ class LLMEngine:
                                           enable_prefix_caching=cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, max_model_len=self.model_config.max_model_len,
                                    eos_token_ids=self.model_config.eos_token_ids)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.model_config.eos_token_ids)
         self._make_generator = make_generator
         self._streams: dict[str, _Stream] = {}
         self.layer_hook: LayerHook | None = None
@@ -130,6 +130,8 @@ class LLMEngine:
         final output at once if the request already ends there (max_tokens == 1, EOS)."""
         req = self.scheduler.remote_kv_ready(request_id, first_token_id)
         self._open_stream(req, req.prompt_token_ids + [first_token_id], num_sent=1)
+        # the first token was drawn on the prefill worker: skip its draw so seeded samples match one engine
+        self.sampler.advance(self._streams[request_id].generator, self.model_config.vocab_size, req.params)
         return [self._output(req)] if req.is_finished else []
 
     def has_unfinished(self) -> bool:
@@ -155,8 +157,11 @@ class LLMEngine:
         sampling = [c.request_id for c in plan.chunks if c.num_logits]
         if not sampling:
             return StepResult()
+        from engine.sampler import RowHistory
+
         reqs = [self.scheduler.requests[rid] for rid in sampling]
-        out = self.sampler.sample(logits, [r.params for r in reqs], [self._streams[rid].generator for rid in sampling])
+        out = self.sampler.sample(logits, [r.params for r in reqs], [self._streams[rid].generator for rid in sampling],
+                                  [RowHistory(r.prompt_token_ids, r.output_token_ids) for r in reqs])
         logprobs = {rid: lp for rid, lp in zip(sampling, out.logprobs) if lp is not None} if out.logprobs else {}
         return StepResult(dict(zip(sampling, out.token_ids)), logprobs)
 

@@ -42,8 +42,15 @@ class SamplingParams:
     stop: strings that end generation; they are not included in the output text
         (at most MAX_STOP_STRINGS, each non-empty and at most MAX_STOP_STRING_BYTES UTF-8 bytes).
     ignore_eos: keep generating past EOS (benchmarks), until max_tokens.
-    logprobs: return the log-probabilities of the top-n tokens at each step (0 = none, at most MAX_LOGPROBS).
+    logprobs: per generated token, its log-probability (None = none) and those of the top-n
+        tokens (0 = the chosen token's only; at most MAX_LOGPROBS), from the model's raw distribution.
     skip_special_tokens: leave special tokens out of the detokenized text.
+    min_tokens: EOS (unless ignore_eos) and stop_token_ids cannot be sampled before this many
+        output tokens (vLLM's min_tokens), <= max_tokens.
+    presence_penalty, frequency_penalty: OpenAI's, in [-2, 2]: logit -= f * count + p * (count > 0)
+        over the output tokens so far.
+    repetition_penalty: CTRL's (Keskar et al. 2019), > 0, 1 = off: a token already in the prompt or
+        the output has its logit divided by r if positive, multiplied by r if not.
     """
 
     temperature: float = 1.0
@@ -54,8 +61,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
-    logprobs: int = 0
+    logprobs: int | None = None
     skip_special_tokens: bool = True
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         # Tuples keep the params hashable and immutable even when callers pass lists.
@@ -77,8 +88,15 @@ class SamplingParams:
             raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if self.top_k < -1:
             raise InvalidRequest("top_k", f"must be -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
-        if not 0 <= self.logprobs <= MAX_LOGPROBS:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequest("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequest("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequest(name, f"must be in [-2, 2], got {getattr(self, name)!r}")
+        if not self.repetition_penalty > 0:
+            raise InvalidRequest("repetition_penalty", f"must be > 0 (1 = off), got {self.repetition_penalty!r}")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequest("stop_token_ids", "token ids must be >= 0")
         if len(self.stop) > MAX_STOP_STRINGS:

@@ -173,3 +173,35 @@ def test_layer_hook_sees_every_layer_and_the_chunks(runner, tokenizer, prompts):
     (info,) = calls[0][1]
     assert (info.request_id, info.start_pos, info.num_tokens, info.is_last_chunk) == ("a", 0, min(n, 64), n <= 64)
     assert info.block_ids == tuple(eng.block_manager.block_table("a")[:-(-min(n, 64) // 16)])
+
+
+def test_seeded_remote_decode_draws_what_one_engine_draws(runner, tokenizer, prompts):
+    """A seeded, penalised sampled request split as prefill (first token, hold_kv) + remote decode
+    gives the same tokens as one engine: the decode side skips the first token's draw and the
+    penalties see the first token in the output."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=6, frequency_penalty=0.5,
+                            repetition_penalty=1.2)
+    prompt = prompts[3]
+    whole = engine(runner, tokenizer)
+    whole.add_request("w", prompt, params)
+    want = []
+    while whole.has_unfinished():
+        for o in whole.step():
+            want += o.new_token_ids
+    eng = engine(runner, tokenizer)
+    eng.add_request("p", prompt, SamplingParams(**{**params.__dict__, "max_tokens": 1}), hold_kv=True)
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    held = outs[-1].kv_block_ids
+    dst = eng.reserve_remote("d", prompt, params)
+    cache = runner.kv_cache.data
+    cache[:, :, dst] = cache[:, :, held]
+    eng.release_kv("p")
+    got = [outs[-1].new_token_ids[0]]
+    for o in eng.start_remote("d", got[0]):
+        got += o.new_token_ids
+    while eng.has_unfinished():
+        for o in eng.step():
+            got += o.new_token_ids
+    assert got == want and len(want) == 6
