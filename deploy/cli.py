@@ -16,6 +16,7 @@ from bench import compare as bench_compare
 from bench import engine as bench_engine
 from bench import kv_transfer as bench_kv_transfer
 from bench import offline as bench_offline
+from bench import peers as bench_peers
 from bench import serve as bench_serve
 from deploy import generate_cmd, plan_cmd, serve_cmd, status_cmd
 from engine.errors import UserError
@@ -38,6 +39,7 @@ bench_app.command("offline")(bench_offline.command)
 bench_app.command("kv-transfer")(bench_kv_transfer.command)
 bench_app.command("serve")(bench_serve.command)
 bench_app.command("compare")(bench_compare.command)
+bench_app.command("peers")(bench_peers.command)
 eval_app.command("ppl")(eval_perplexity.command)
 
 

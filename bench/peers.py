@@ -1,0 +1,234 @@
+"""pdserve bench peers: several servers measured one at a time on the same workload, in one run.
+
+For each server (a name and a command line): start it in its own process group, wait until
+its OpenAI API answers ``/v1/models``, run the ``bench serve`` client against it (same prompts,
+same flags for every server), sample the resident memory of its whole process tree (Ray's and
+vLLM's child processes included) every 0.25 s, stop it (SIGINT, then SIGKILL after a grace
+period), then the next. Prints one side-by-side table with each server's throughput as a
+ratio of the first server's (the reference), and writes JSON.
+
+A command is a shell line with ``{port}`` where the server's HTTP port goes, e.g.::
+
+    pdserve bench peers --num-prompts 32 --max-tokens 64 --max-concurrency 16 --ignore-eos \
+      --server 'vllm=VLLM_CPU_OMP_THREADS_BIND=0-1 /venv/bin/python -m vllm.entrypoints.openai.api_server \
+                --model DIR --dtype bfloat16 --no-enable-prefix-caching --port {port}' \
+      --server 'pdserve-agg=pdserve serve --mode agg --decode 1 --http-port {port}' \
+      --json peers.json
+
+Run it inside the loopback-only namespace when a server starts Ray (pdserve serve).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from engine.errors import UserError
+
+READY_TIMEOUT_S = 900.0   # vLLM's first start compiles for minutes on a CPU
+STOP_GRACE_S = 60.0
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """name: the row label; command: a shell line with ``{port}`` for the HTTP port."""
+
+    name: str
+    command: str
+
+    @classmethod
+    def parse(cls, text: str) -> "ServerSpec":
+        """``NAME=COMMAND`` -> ServerSpec; UserError naming --server otherwise."""
+        name, sep, command = text.partition("=")
+        if not sep or not name.strip() or "{port}" not in command:
+            raise UserError(f"--server {text!r}: expected NAME=COMMAND with {{port}} in the command")
+        return cls(name.strip(), command.strip())
+
+
+def command(
+    server: Annotated[list[str], typer.Option(help="NAME=COMMAND (with {port}); repeat; the first is the reference.")],
+    port: Annotated[int, typer.Option(help="HTTP port every server is started on (one at a time).")] = 8011,
+    num_prompts: Annotated[int, typer.Option(help="Measured ShareGPT requests per server.")] = 32,
+    max_tokens: Annotated[int, typer.Option(help="Output tokens per request.")] = 64,
+    max_concurrency: Annotated[int, typer.Option(help="Requests in flight.")] = 16,
+    ignore_eos: Annotated[bool, typer.Option(help="Ask each server to ignore EOS.")] = True,
+    num_warmups: Annotated[int, typer.Option(help="Requests sent first and excluded.")] = 2,
+    dataset_path: Annotated[Optional[Path], typer.Option(help="ShareGPT JSONL (default: ../shared/data).")] = None,
+    log_dir: Annotated[Optional[Path], typer.Option(help="Write each server's stdout/stderr here.")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
+) -> None:
+    """Servers side by side, one at a time, same workload: throughput, latency, peak memory."""
+    specs = [ServerSpec.parse(s) for s in server]
+    if len({s.name for s in specs}) != len(specs):
+        raise UserError("--server: names must be distinct")
+    if num_prompts < 1 or max_tokens < 1 or max_concurrency < 1:
+        raise UserError("--num-prompts, --max-tokens and --max-concurrency must be >= 1")
+    results = []
+    for spec in specs:
+        print(f"pdserve bench peers: {spec.name}: starting", file=sys.stderr, flush=True)
+        results.append(run_one(spec, port, num_prompts, max_tokens, max_concurrency, ignore_eos, num_warmups,
+                               dataset_path, log_dir))
+    doc = {"machine": machine_info(), "workload": {"dataset": "sharegpt", "num_prompts": num_prompts,
+                                                   "max_tokens": max_tokens, "max_concurrency": max_concurrency,
+                                                   "ignore_eos": ignore_eos}, "servers": results}
+    print(peers_table(results))
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(doc, indent=2))
+        print(f"wrote {json_out}", file=sys.stderr)
+
+
+def run_one(spec: ServerSpec, port: int, num_prompts: int, max_tokens: int, max_concurrency: int,
+            ignore_eos: bool, num_warmups: int, dataset_path: Path | None, log_dir: Path | None) -> dict[str, Any]:
+    """Start, measure and stop one server; a server that fails to start or serve is reported, not raised."""
+    from bench.datasets import DatasetConfig
+    from bench.load import LoadConfig
+    from bench.serve import BenchSpec, run_benchmark
+
+    url = f"http://127.0.0.1:{port}"
+    if log_dir:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    log = open(log_dir / f"{spec.name}.log", "w") if log_dir else subprocess.DEVNULL
+    proc = subprocess.Popen(spec.command.format(port=port), shell=True, start_new_session=True,
+                            stdout=log, stderr=subprocess.STDOUT)
+    sampler = RssSampler(proc.pid)
+    out: dict[str, Any] = {"name": spec.name, "command": spec.command}
+    try:
+        started = time.monotonic()
+        asyncio.run(wait_ready(url, proc, sampler))
+        out["startup_s"] = time.monotonic() - started
+        bench = BenchSpec(backend="openai", url=url, model=None, tokenizer=None,
+                          dataset=DatasetConfig("sharegpt", dataset_path, num_prompts, max_tokens),
+                          loads=[LoadConfig(math.inf, 1.0, max_concurrency, num_warmups, 0, False)], slo=None,
+                          sweep=False, attainment_target=0.9, ignore_eos=ignore_eos, include_usage=True,
+                          timeout_s=600.0)
+        sampler.reset_peak()  # the peak while serving, at its configured cache size
+        outcome = asyncio.run(_sampled(run_benchmark(bench), sampler))
+        out["result"] = {k: v for k, v in outcome.doc.items() if k != "requests"}
+    except Exception as e:  # a peer that cannot start is a row with its error, not a crash of the whole run
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        out["peak_rss_mib"] = sampler.peak / 2**20
+        stop(proc)
+        if log_dir:
+            log.close()
+    return out
+
+
+async def wait_ready(url: str, proc: subprocess.Popen, sampler: "RssSampler") -> None:
+    """Poll ``/v1/models`` until it answers 200; RuntimeError if the server exits or times out."""
+    import httpx
+
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            sampler.sample()
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with status {proc.returncode} before serving")
+            try:
+                if (await client.get(f"{url}/v1/models")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(1.0)
+    raise RuntimeError(f"server not ready after {READY_TIMEOUT_S:.0f} s")
+
+
+async def _sampled(coro, sampler: "RssSampler"):
+    """Run coro while sampling RSS every 0.25 s."""
+    task = asyncio.ensure_future(coro)
+    while not task.done():
+        sampler.sample()
+        await asyncio.wait({task}, timeout=0.25)
+    return task.result()
+
+
+class RssSampler:
+    """Peak resident memory of a process and all its descendants, in bytes."""
+
+    def __init__(self, pid: int) -> None:
+        import psutil
+
+        self.root = psutil.Process(pid)
+        self.peak = 0
+
+    def sample(self) -> int:
+        import psutil
+
+        total = 0
+        try:
+            procs = [self.root, *self.root.children(recursive=True)]
+        except psutil.Error:
+            return 0
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        self.peak = max(self.peak, total)
+        return total
+
+    def reset_peak(self) -> None:
+        self.peak = 0
+        self.sample()
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGINT the server's process group, SIGKILL what is left after STOP_GRACE_S."""
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=STOP_GRACE_S)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, the ISA flags that choose kernels, cores, and the 1-minute load at the start."""
+    flags: list[str] = []
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags") and not flags:
+                flags = line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
+    return {"cpu": model, "isa_flags": [f for f in wanted if f in flags], "cores": len(os.sched_getaffinity(0)),
+            "load_avg_1m": os.getloadavg()[0]}
+
+
+def peers_table(results: list[dict[str, Any]]) -> str:
+    """One row per server; ratio = its output tok/s over the first server's."""
+    ref = (results[0].get("result") or {}).get("output_throughput") if results else None
+    head = (f"{'server':<16}{'out tok/s':>10}{'ratio':>7}{'TTFT p50/p99 ms':>18}{'TPOT p50':>10}"
+            f"{'ITL p99':>9}{'peak RSS MiB':>14}{'failed':>8}")
+    rows = [head, "-" * len(head)]
+    for r in results:
+        res = r.get("result")
+        if res is None:
+            rows.append(f"{r['name']:<16}  error: {r.get('error')}")
+            continue
+        tput = res["output_throughput"]
+        ratio = f"{tput / ref:.2f}" if ref else "-"
+        ttft = f"{res['median_ttft_ms']:.0f} / {res['p99_ttft_ms']:.0f}"
+        rows.append(f"{r['name']:<16}{tput:>10.1f}{ratio:>7}{ttft:>18}{res['median_tpot_ms']:>10.1f}"
+                    f"{res['p99_itl_ms']:>9.0f}{r['peak_rss_mib']:>14.0f}{res['failed']:>8}")
+    return "\n".join(rows)
