@@ -8,6 +8,7 @@ the chunks ask for. The runner owns no request state: block ids come from the ca
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Callable, Sequence
@@ -25,6 +26,8 @@ from kernels.attention import AttentionMetadata, get_attention_backend
 
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
 
+log = logging.getLogger(__name__)
+
 
 class ModelRunner:
     """Loads the model and allocates the KV cache at construction.
@@ -32,7 +35,9 @@ class ModelRunner:
     model_path_or_config: a model name or path (see engine.model_loader.resolve_model) or a
         ModelConfig. block_size: tokens per KV block. num_blocks / kv_cache_memory_bytes: cache
         size (num_blocks wins; default DEFAULT_KV_CACHE_BYTES). dtype: weights, activations and
-        cache (logits are always float32).
+        cache (logits are always float32). attention_backend: see kernels.attention.BACKENDS;
+        ``"auto"`` picks the in-place CPU kernel on CPU when it builds (logged, with the reason
+        when not), the Triton kernel on CUDA; the choice is ``self.attention_backend``.
         quantization: how the decoder's linears run, chosen once here (engine.quantization:
         "none", "int8", "fp8"). kv_cache_dtype: "auto" (= dtype) or "fp8_e4m3".
     """
@@ -40,7 +45,7 @@ class ModelRunner:
     def __init__(self, model_path_or_config: str | os.PathLike[str] | ModelConfig, *, block_size: int = 16,
                  num_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 attention_backend: str = "torch", quantization: str = "none",
+                 attention_backend: str = "auto", quantization: str = "none",
                  kv_cache_dtype: str = "auto") -> None:
         if isinstance(model_path_or_config, ModelConfig):
             self.model_config = model_path_or_config
@@ -49,7 +54,10 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
-        self.ops = get_attention_backend(attention_backend)
+        self.ops = get_attention_backend(attention_backend, self.device)
+        self._reference_ops = get_attention_backend("torch")
+        self.attention_backend = self.ops.name
+        log.info("attention backend: %s (asked for %s)", self.ops.name, attention_backend)
         self.quantization = check_quantization(quantization)
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         self.model = load_model(self.model_config, dtype, self.device)
@@ -74,19 +82,23 @@ class ModelRunner:
 
         layer_hook(l) is called right after layer l has written its K/V for every chunk.
         pad_to_longest: attend all decode rows padded to the longest context (static batching's
-        baseline cost) instead of in groups of similar length; the result is the same up to
-        rounding. Grouping is done on CPU only: elsewhere a group's fixed cost (kernel launches)
-        is unmeasured, and a paged kernel needs no padding at all.
+        baseline cost, always with the torch reference) instead of in groups of similar length
+        or in place; the result is the same up to rounding. Grouping is done on CPU only:
+        elsewhere a group's fixed cost (kernel launches) is unmeasured, and a paged kernel needs
+        no padding at all.
         Raises ValueError for an empty batch, a chunk with no tokens, num_logits outside
         [0, num_tokens], a context beyond max_model_len, or a block table that is too short
         or names a block outside the cache.
         """
         self._check(chunks)
         input_ids, positions, logits_indices = self._flatten(chunks)
+        # The padded baseline is the reference's padded attention: an in-place kernel pads nothing.
+        ops = self._reference_ops if pad_to_longest else self.ops
         meta = AttentionMetadata.build([c.start_pos for c in chunks], [c.num_tokens for c in chunks],
                                        [c.block_table for c in chunks], self.block_size, self.device, self.dtype,
-                                       group_by_length=self.device.type == "cpu" and not pad_to_longest)
-        return self.model(input_ids, positions, self.kv_cache, meta, logits_indices, self.ops, layer_hook)
+                                       group_by_length=self.device.type == "cpu" and not pad_to_longest,
+                                       groups=getattr(ops, "metadata_groups", "all"))
+        return self.model(input_ids, positions, self.kv_cache, meta, logits_indices, ops, layer_hook)
 
     def _flatten(self, chunks: Sequence[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ids: list[int] = []

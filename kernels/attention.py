@@ -7,16 +7,25 @@ Cache layout (one layer, see engine/kv_cache.py): ``key_cache`` and ``value_cach
 
 A forward's tokens are a flat batch ``[T, ...]`` of chunks from ``B`` sequences (prefill chunks,
 decode tokens and verification runs mixed). ``AttentionMetadata`` describes that batch once per
-forward; every layer reuses it. Backends implement ``AttentionBackend``; ``"torch"`` (the
-reference, kernels/torch_ref.py) runs everywhere and is the one used on CPU.
+forward; every layer reuses it. Backends implement ``AttentionBackend``:
+
+- ``"torch"``: the reference (kernels/torch_ref.py), runs everywhere; the test oracle;
+- ``"cpu"``: reads K/V in place through the block table (kernels/cpu_attention.py, a C++
+  extension built on first use);
+- ``"auto"``: ``"cpu"`` on CPU when its extension builds, else ``"torch"`` with the reason logged.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Literal, Protocol, Sequence
 
 import torch
+
+log = logging.getLogger(__name__)
+
+GroupsNeeded = Literal["all", "long", "none"]
 
 
 # Sequences with at most this many new tokens (decode, speculative verification) are attended
@@ -67,7 +76,8 @@ class AttentionMetadata:
     seq_lens: [B] int64, context length of each sequence after this forward.
     query_start_loc: [B + 1] int64, first row of each sequence's tokens in the flat batch.
     block_tables: [B, max_blocks] int64, padded with 0.
-    groups: the reference backend's batching of sequences (see AttentionGroup).
+    groups: the reference backend's batching of sequences (see AttentionGroup); only the
+        groups the backend asked for (``build(groups=...)``), possibly none.
     """
 
     slot_mapping: torch.Tensor
@@ -80,11 +90,14 @@ class AttentionMetadata:
     def build(cls, start_pos: Sequence[int], query_lens: Sequence[int],
               block_tables: Sequence[Sequence[int]], block_size: int,
               device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
-              group_by_length: bool = True) -> "AttentionMetadata":
+              group_by_length: bool = True, groups: GroupsNeeded = "all") -> "AttentionMetadata":
         """Metadata for sequences whose new tokens sit at ``start_pos[b] .. start_pos[b] + query_lens[b] - 1``.
 
         group_by_length: split the short chunks into groups of similar context length
         (partition_by_length); False attends them as one group padded to the longest.
+        groups: which reference groups to build (the backend's ``metadata_groups``): ``"all"``
+        (the torch reference), ``"long"`` (only the chunks of more than MAX_PADDED_QUERY_LEN
+        tokens, one group each: a backend that attends the short ones itself), ``"none"``.
 
         block_tables[b] must cover ``start_pos[b] + query_lens[b]`` tokens (checked by the caller).
         """
@@ -100,16 +113,29 @@ class AttentionMetadata:
         seq_idx = torch.repeat_interleave(torch.arange(len(query_lens)), qlen)              # [T]
         positions = start[seq_idx] + torch.arange(int(qlen.sum())) - first[seq_idx]
         slot_mapping = table[seq_idx, positions // block_size] * block_size + positions % block_size
-        short = [b for b, q in enumerate(query_lens) if q <= MAX_PADDED_QUERY_LEN]
-        long = [b for b, q in enumerate(query_lens) if q > MAX_PADDED_QUERY_LEN]
-        lens = seq_lens.tolist()
-        shorts = partition_by_length(short, [lens[b] for b in short]) if group_by_length else [short] if short else []
-        subsets = shorts + [[b] for b in long]
-        groups = tuple(_group(subset, start, qlen, first, table, block_size, len(subsets) == 1, device, dtype)
-                       for subset in subsets)
+        subsets = _group_subsets(query_lens, seq_lens, group_by_length, groups)
+        covers_all = len(subsets) == 1 and len(subsets[0]) == len(query_lens)
+        built = tuple(_group(subset, start, qlen, first, table, block_size, covers_all, device, dtype)
+                      for subset in subsets)
         return cls(slot_mapping=slot_mapping.to(device), seq_lens=seq_lens.to(device),
                    query_start_loc=torch.cat([first, qlen.sum().view(1)]).to(device),
-                   block_tables=table.to(device), groups=groups)
+                   block_tables=table.to(device), groups=built)
+
+
+def _group_subsets(query_lens: Sequence[int], seq_lens: torch.Tensor, group_by_length: bool,
+                   groups: GroupsNeeded) -> list[list[int]]:
+    """The sequences of each reference group to build (see AttentionMetadata.build)."""
+    if groups not in ("all", "long", "none"):
+        raise ValueError(f"groups must be 'all', 'long' or 'none', got {groups!r}")
+    if groups == "none":
+        return []
+    long = [[b] for b, q in enumerate(query_lens) if q > MAX_PADDED_QUERY_LEN]
+    if groups == "long":
+        return long
+    short = [b for b, q in enumerate(query_lens) if q <= MAX_PADDED_QUERY_LEN]
+    lens = seq_lens.tolist()
+    shorts = partition_by_length(short, [lens[b] for b in short]) if group_by_length else [short] if short else []
+    return shorts + long
 
 
 def partition_by_length(seqs: Sequence[int], seq_lens: Sequence[int],
@@ -161,33 +187,76 @@ def _group(seqs: list[int], start: torch.Tensor, qlen: torch.Tensor, first: torc
 
 
 class AttentionBackend(Protocol):
+    """name: what get_attention_backend calls it. metadata_groups: which reference groups
+    AttentionMetadata.build must make for it ("all", "long" or "none"). reads_new_kv (optional,
+    default False): paged_attention also takes ``key=``/``value=``, the layer's new K/V."""
+
     name: str
+    metadata_groups: GroupsNeeded
 
     def write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                        value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write key/value [T, num_kv_heads, head_dim] into the caches at slot_mapping [T]."""
 
     def paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                        meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | float | None = None,
+                        v_scale: torch.Tensor | float | None = None) -> torch.Tensor:
         """query [T, num_heads, head_dim] -> output [T, num_heads, head_dim] (same dtype).
 
         num_heads must be a multiple of num_kv_heads (GQA: query head h reads KV head
-        h // (num_heads // num_kv_heads)).
+        h // (num_heads // num_kv_heads)). k_scale/v_scale: fp32 scalars or [num_kv_heads]
+        dequantization scales of an FP8 cache; None = the cache holds the compute dtype.
         """
 
 
-def get_attention_backend(name: str = "torch") -> AttentionBackend:
-    """The attention backend called ``name``: ``"torch"`` (reference) or ``"triton"`` (GPU;
-    kernels/triton/backend.py, needs the triton package)."""
-    if name == "torch":
-        from kernels.torch_ref import TorchAttention
+BACKENDS = ("auto", "cpu", "torch", "triton")
 
-        return TorchAttention()
+
+def get_attention_backend(name: str = "torch", device: torch.device | str = "cpu") -> AttentionBackend:
+    """The attention backend called ``name`` (one of BACKENDS) for tensors on ``device``.
+
+    ``"auto"``: on CPU the in-place ``"cpu"`` kernel when its extension builds (first use
+    compiles it, then it is cached), else ``"torch"``; on CUDA ``"triton"`` when triton imports,
+    else ``"torch"``; the choice and any reason for a fallback are logged. ``"triton"``: GPU
+    (kernels/triton/backend.py, needs the triton package). Raises ValueError for an unknown name, RuntimeError when ``"cpu"`` is
+    asked for explicitly and cannot be built.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}: available: {', '.join(BACKENDS)}")
+    if name == "auto":
+        name = _auto_backend(torch.device(device))
+    if name == "cpu":
+        from kernels.cpu_attention import CpuAttention
+
+        return CpuAttention()
     if name == "triton":
         from kernels.triton.backend import TritonAttention
 
         return TritonAttention()
-    raise ValueError(f"unknown attention backend {name!r}: available: torch, triton")
+    from kernels.torch_ref import TorchAttention
+
+    return TorchAttention()
+
+
+def _auto_backend(device: torch.device) -> str:
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            log.warning("attention backend auto: triton is not installed; using the torch reference on %s", device)
+            return "torch"
+        return "triton"
+    if device.type != "cpu":
+        log.warning("attention backend auto: no kernel for %s yet, using the torch reference", device)
+        return "torch"
+    from kernels.cpu_attention import load_extension
+
+    module, reason = load_extension()
+    if module is None:
+        log.warning("attention backend auto: %s; using the torch reference (slower: it copies every "
+                    "context out of the paged cache in every layer)", reason)
+        return "torch"
+    return "cpu"
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

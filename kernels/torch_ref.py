@@ -31,8 +31,15 @@ def gather_context(cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """query [T, Hq, D] -> [T, Hq, D]: causal attention of each token over its sequence's cache."""
+                    meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | float | None = None,
+                    v_scale: torch.Tensor | float | None = None) -> torch.Tensor:
+    """query [T, Hq, D] -> [T, Hq, D]: causal attention of each token over its sequence's cache.
+
+    meta must hold every group (``AttentionMetadata.build(groups="all")``). k_scale/v_scale:
+    only None so far (a cache in the compute dtype).
+    """
+    if k_scale is not None or v_scale is not None:
+        raise NotImplementedError("the torch reference has no FP8 KV cache scales yet")
     if len(meta.groups) == 1 and meta.groups[0].token_index is None:
         return _attend_group(query, key_cache, value_cache, meta.groups[0], scale)
     out = torch.empty_like(query)
@@ -98,5 +105,6 @@ class TorchAttention:
     """The reference backend (CPU and any device torch runs on)."""
 
     name = "torch"
+    metadata_groups = "all"
     write_kv_cache = staticmethod(write_kv_cache)
     paged_attention = staticmethod(paged_attention)

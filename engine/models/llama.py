@@ -91,7 +91,9 @@ class Attention(nn.Module):
         k = apply_rope(self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         ops.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = ops.paged_attention(q, key_cache, value_cache, meta, self.scale)
+        # A backend that reads the new K/V directly (a prefill chunk from position 0) says so.
+        new_kv = {"key": k, "value": v} if getattr(ops, "reads_new_kv", False) else {}
+        out = ops.paged_attention(q, key_cache, value_cache, meta, self.scale, **new_kv)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

@@ -1,0 +1,186 @@
+"""The ``"cpu"`` attention backend: paged attention that reads K/V in place (kernels/csrc/paged_attention.cpp).
+
+What runs where, per sequence of the flat batch (see AttentionMetadata):
+
+- decode rows and short chunks (at most ``MAX_PADDED_QUERY_LEN`` new tokens: speculative
+  verification, short prefill tails): the C++ kernel, over the block table in place, one work
+  item per (sequence, KV head) on torch's intra-op threads, fp32 accumulation, online softmax;
+- a long prefill chunk that starts at position 0: causal SDPA on the K/V the layer has just
+  computed (``key``/``value``), no cache read;
+- a long chunk that continues a sequence (chunked prefill, a prefix-cache hit): that one
+  sequence's context is gathered and attended with the reference's masked SDPA. Its cost is
+  the chunk's matmuls, which SDPA runs as GEMMs; the gather of one context is small beside them.
+
+The extension is built once per machine with ``torch.utils.cpp_extension.load`` (``-O3
+-march=native -fopenmp``) into a cache directory keyed by the CPU capability and torch version
+(``$PDSERVE_KERNEL_CACHE`` or ``~/.cache/pdserve/kernels``); a build takes ~30-60 s on these
+machines, a cached load ~20 ms. ``load_extension`` returns ``None`` with a reason when the build
+is impossible (no compiler, no ninja, a compile error), so ``get_attention_backend("auto")`` can
+fall back to the torch reference and say why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import MAX_PADDED_QUERY_LEN, AttentionMetadata
+from kernels import torch_ref
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
+EXTENSION = "pdserve_paged_attention"
+
+_lock = threading.Lock()
+_loaded: tuple[ModuleType | None, str] | None = None   # (module, reason it is None)
+
+
+def cache_dir() -> Path:
+    """Where the built extension lives: one directory per CPU capability and torch version."""
+    root = Path(os.environ.get("PDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pdserve" / "kernels")
+    tag = f"{torch.backends.cpu.get_cpu_capability().lower()}-torch{torch.__version__.replace('+', '_')}"
+    return root / f"paged_attention-{tag}"
+
+
+def load_extension() -> tuple[ModuleType | None, str]:
+    """The compiled kernel module (built on first use, then cached), or (None, why not).
+
+    Never raises: a missing compiler or ninja, or a failed compile, is returned as the reason.
+    """
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = _build()
+        return _loaded
+
+
+def _build() -> tuple[ModuleType | None, str]:
+    build_dir = cache_dir()
+    flags = ["-O3", "-fopenmp"] + (["-march=native"] if _is_x86() else [])
+    stamp = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()
+    cached = _load_cached(build_dir, stamp)
+    if cached is not None:
+        return cached, ""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return None, f"no C++ compiler ({compiler!r} not on PATH)"
+    _put_ninja_on_path()
+    if shutil.which("ninja") is None:
+        return None, "ninja is not installed (pip install ninja)"
+    from torch.utils import cpp_extension
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    try:
+        module = cpp_extension.load(name=EXTENSION, sources=[str(SOURCE)], extra_cflags=flags,
+                                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+    except Exception as exc:  # noqa: BLE001 - any build failure means "use the reference", with the reason
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return None, f"building {SOURCE.name} failed: {first_line} (build dir {build_dir})"
+    (build_dir / "source.sha256").write_text(stamp + "\n")
+    log.info("built the cpu attention kernel in %.0f s (%s)", time.monotonic() - started, build_dir)
+    return module, ""
+
+
+def _load_cached(build_dir: Path, stamp: str) -> ModuleType | None:
+    """The module built earlier from this very source and flags, loaded without cpp_extension
+    (whose import and ninja check cost each worker process seconds); None if there is none."""
+    library = build_dir / f"{EXTENSION}.so"
+    try:
+        if not library.exists() or (build_dir / "source.sha256").read_text().strip() != stamp:
+            return None
+        spec = importlib.util.spec_from_file_location(EXTENSION, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except (OSError, ImportError):
+        return None
+
+
+def _put_ninja_on_path() -> None:
+    """pip's ninja lives beside the interpreter; the venv's bin is not on PATH when it is not activated."""
+    if shutil.which("ninja") is not None:
+        return
+    dirs = [os.path.dirname(sys.executable)]
+    try:
+        import ninja  # type: ignore[import-not-found]
+
+        dirs.append(ninja.BIN_DIR)
+    except ImportError:
+        pass
+    os.environ["PATH"] = os.pathsep.join(dirs + [os.environ.get("PATH", "")])
+
+
+def _is_x86() -> bool:
+    import platform
+
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+class CpuAttention:
+    """The in-place CPU backend; construct through ``get_attention_backend("cpu")``.
+
+    Raises RuntimeError naming the reason when the extension cannot be built.
+    """
+
+    name = "cpu"
+    # The reference's padded groups are needed only for long chunks (see AttentionMetadata.build).
+    metadata_groups = "long"
+    reads_new_kv = True
+    write_kv_cache = staticmethod(torch_ref.write_kv_cache)
+
+    def __init__(self) -> None:
+        module, reason = load_extension()
+        if module is None:
+            raise RuntimeError(f"the cpu attention kernel is unavailable: {reason}")
+        self._ext = module
+
+    def paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | float | None = None,
+                        v_scale: torch.Tensor | float | None = None, *, key: torch.Tensor | None = None,
+                        value: torch.Tensor | None = None) -> torch.Tensor:
+        """query [T, Hq, D] -> [T, Hq, D] in query's dtype (see AttentionBackend.paged_attention).
+
+        key/value [T, Hkv, D]: this layer's new K/V (already in the cache); used for long chunks
+        that start at position 0. k_scale/v_scale: only None (a cache in the compute dtype).
+        """
+        if k_scale is not None or v_scale is not None:
+            raise NotImplementedError("the cpu attention kernel has no FP8 KV cache scales yet")
+        if query.device.type != "cpu":
+            raise ValueError(f"the cpu attention backend needs CPU tensors, got {query.device}")
+        query = query if query.stride(-1) == 1 else query.contiguous()
+        out = torch.empty_like(query)
+        self._ext.paged_attention_short(out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                                        meta.query_start_loc, float(scale), MAX_PADDED_QUERY_LEN)
+        for group in meta.groups:   # long chunks, one sequence each
+            rows = group.token_index
+            q = query if rows is None else query.index_select(0, rows)
+            if group.is_causal_prefill and key is not None and value is not None:
+                k = key if rows is None else key.index_select(0, rows)
+                v = value if rows is None else value.index_select(0, rows)
+                got = _causal_fresh(q, k.to(query.dtype), v.to(query.dtype), scale)
+            else:
+                got = torch_ref._attend_group(q, key_cache, value_cache, group, scale)
+            if rows is None:
+                return got
+            out.index_copy_(0, rows, got)
+        return out
+
+
+def _causal_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """[Q, Hq, D] x [Q, Hkv, D] -> [Q, Hq, D]: causal attention of a chunk over its own keys."""
+    out = F.scaled_dot_product_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+                                         is_causal=True, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)

@@ -1,0 +1,302 @@
+// Paged attention on CPU, reading K/V in place through the block table (no gather copy).
+//
+// Decode rows and short chunks (verification runs, <= max_query_len queries per sequence):
+// one work item per (sequence, KV head). The G query heads that share a KV head and the Q
+// queries of the chunk are the item's G * Q rows, so every K/V block is read once per KV head
+// and reused by all those rows while it is in L1. Online softmax over the sequence's blocks
+// (Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018; the running max /
+// sum / rescaled accumulator of FlashAttention, Dao et al. 2022), accumulated in fp32 whatever
+// the cache dtype (fp32, bf16, fp16). Items are handed to torch's intra-op threads (at::parallel_for,
+// OpenMP: the threads torch.set_num_threads gives) through an atomic counter, so sequences of
+// different lengths balance.
+//
+// AVX-512 paths where the compiler targets it (-march=native on a CPU with AVX-512F), else a
+// portable scalar path with the same algorithm.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__SSE__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+template <typename T>
+inline float to_f32(T x) { return static_cast<float>(x); }
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// exp(x) for x <= 0 (scores minus their running max): 2^n * P(r), r = x - n ln2, |r| <= ln2/2,
+// P the degree-6 Taylor polynomial (relative error ~2e-7); x below -87 gives ~0.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// s[0..n) = exp(s - m); returns their sum.
+inline float exp_sum(float* s, int n, float m) {
+  float sum = 0.f;
+  int t = 0;
+#if defined(__AVX512F__)
+  __m512 vm = _mm512_set1_ps(m), vs = _mm512_setzero_ps();
+  for (; t < n; t += 16) {
+    __mmask16 mask = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
+    __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), vm));
+    _mm512_mask_storeu_ps(s + t, mask, e);
+    vs = _mm512_mask_add_ps(vs, mask, vs, e);
+  }
+  sum = _mm512_reduce_add_ps(vs);
+#endif
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  return sum;
+}
+
+// q (fp32, length d) . k (cache dtype).
+template <typename T>
+inline float dot(const float* q, const T* k, int d) {
+  int i = 0;
+  float sum = 0.f;
+#if defined(__AVX512F__)
+  if (d % 16 == 0) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    for (; i + 32 <= d; i += 32) {
+      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), a0);
+      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i + 16), load16(k + i + 16), a1);
+    }
+    for (; i < d; i += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), a0);
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+  }
+#endif
+  for (; i < d; ++i) sum += q[i] * to_f32(k[i]);
+  return sum;
+}
+
+// acc[0..d) = acc * corr + sum_t p[t] * v_t, v_t = v + t * v_stride.
+template <typename T>
+inline void rescale_accumulate(float* acc, float corr, const float* p, const T* v, int64_t v_stride, int n, int d) {
+#if defined(__AVX512F__)
+  if (d % 16 == 0) {
+    for (int i = 0; i < d; i += 16) {
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + i), _mm512_set1_ps(corr));
+      for (int t = 0; t < n; ++t) a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), load16(v + t * v_stride + i), a);
+      _mm512_storeu_ps(acc + i, a);
+    }
+    return;
+  }
+#endif
+  for (int i = 0; i < d; ++i) acc[i] *= corr;
+  for (int t = 0; t < n; ++t) {
+    const T* vt = v + t * v_stride;
+    for (int i = 0; i < d; ++i) acc[i] += p[t] * to_f32(vt[i]);
+  }
+}
+
+struct Scratch {
+  std::vector<float> q, acc, m, l, s, kf, vf;
+};
+
+// dst[t * d + i] = src[t * stride + i] as fp32, t < n: one block's K (or V) rows of one KV head,
+// converted once and then read by every query row of the item from L1.
+template <typename T>
+inline void load_block(float* dst, const T* src, int64_t stride, int n, int d) {
+  for (int t = 0; t < n; ++t) {
+    const T* row = src + t * stride;
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= d; i += 16) _mm512_storeu_ps(dst + t * d + i, load16(row + i));
+#endif
+    for (; i < d; ++i) dst[t * d + i] = to_f32(row[i]);
+  }
+}
+
+// Ask for the next block's rows while this one is computed: the blocks of a sequence are
+// scattered, so the hardware prefetcher cannot guess them.
+template <typename T>
+inline void prefetch_block(const T* src, int64_t stride, int n, int d) {
+#if defined(__AVX512F__) || defined(__SSE__)
+  const int64_t bytes = static_cast<int64_t>(d) * sizeof(T);
+  for (int t = 0; t < n; ++t)
+    for (int64_t off = 0; off < bytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(src + t * stride) + off, _MM_HINT_T0);
+#endif
+}
+
+// One (sequence b, KV head h) item.
+template <typename Q, typename KV>
+void attend_item(int64_t b, int64_t h, const Q* query, int64_t q_tok_stride, int64_t q_head_stride,
+                 const KV* key_cache, const KV* value_cache, const int64_t* cs, const int64_t* block_tables,
+                 int64_t bt_stride, const int64_t* seq_lens, const int64_t* query_start_loc, Q* out,
+                 const int64_t* os, int group, int d, int block_size, float scale, Scratch& w) {
+  const int64_t first = query_start_loc[b];
+  const int qlen = static_cast<int>(query_start_loc[b + 1] - first);
+  const int64_t seq_len = seq_lens[b];
+  const int64_t start = seq_len - qlen;
+  const int rows = qlen * group;  // row r: query token r / group, head h * group + r % group
+  w.q.resize(static_cast<size_t>(rows) * d);
+  w.acc.assign(static_cast<size_t>(rows) * d, 0.f);
+  w.m.assign(rows, -std::numeric_limits<float>::infinity());
+  w.l.assign(rows, 0.f);
+  w.s.resize(block_size);
+  w.kf.resize(static_cast<size_t>(block_size) * d);
+  w.vf.resize(static_cast<size_t>(block_size) * d);
+  for (int r = 0; r < rows; ++r) {
+    const Q* src = query + (first + r / group) * q_tok_stride + (h * group + r % group) * q_head_stride;
+    for (int i = 0; i < d; ++i) w.q[r * d + i] = to_f32(src[i]) * scale;
+  }
+  const int64_t* table = block_tables + b * bt_stride;
+  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+  for (int64_t kb = 0; kb < num_blocks; ++kb) {
+    const int64_t base = kb * block_size;
+    const int n_block = static_cast<int>(std::min<int64_t>(block_size, seq_len - base));
+    const int64_t off = table[kb] * cs[0] + h * cs[2];
+    if (kb + 1 < num_blocks) {
+      const int64_t next = table[kb + 1] * cs[0] + h * cs[2];
+      const int n_next = static_cast<int>(std::min<int64_t>(block_size, seq_len - base - block_size));
+      prefetch_block(key_cache + next, cs[1], n_next, d);
+      prefetch_block(value_cache + next, cs[1], n_next, d);
+    }
+    load_block(w.kf.data(), key_cache + off, cs[1], n_block, d);
+    load_block(w.vf.data(), value_cache + off, cs[1], n_block, d);
+    for (int r = 0; r < rows; ++r) {
+      // causal: query i (position start + i) sees keys 0 .. start + i
+      const int64_t visible = start + r / group + 1 - base;
+      const int n = static_cast<int>(std::min<int64_t>(n_block, visible));
+      if (n <= 0) continue;
+      float* s = w.s.data();
+      const float* q = w.q.data() + r * d;
+      float bmax = -std::numeric_limits<float>::infinity();
+      for (int t = 0; t < n; ++t) {
+        s[t] = dot(q, w.kf.data() + t * d, d);
+        bmax = std::max(bmax, s[t]);
+      }
+      const float m_old = w.m[r];
+      const float m_new = std::max(m_old, bmax);
+      const float corr = std::exp(m_old - m_new);  // 0 on the first block (m_old = -inf)
+      const float sum = exp_sum(s, n, m_new);
+      w.l[r] = w.l[r] * corr + sum;
+      w.m[r] = m_new;
+      rescale_accumulate(w.acc.data() + r * d, corr, s, w.vf.data(), d, n, d);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    Q* dst = out + (first + r / group) * os[0] + (h * group + r % group) * os[1];
+    const float inv = 1.f / w.l[r];
+    for (int i = 0; i < d; ++i) dst[i] = static_cast<Q>(w.acc[r * d + i] * inv);
+  }
+}
+
+template <typename Q, typename KV>
+void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
+         const torch::Tensor& value_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+         const torch::Tensor& query_start_loc, double scale, int64_t max_query_len) {
+  const int64_t num_seqs = seq_lens.size(0);
+  const int64_t num_kv_heads = key_cache.size(2);
+  const int group = static_cast<int>(query.size(1) / num_kv_heads);
+  const int d = static_cast<int>(query.size(2));
+  const int block_size = static_cast<int>(key_cache.size(1));
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  // The items this call owns: sequences with 1 .. max_query_len new tokens.
+  std::vector<int64_t> items;
+  items.reserve(num_seqs * num_kv_heads);
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t q = qsl[b + 1] - qsl[b];
+    if (q >= 1 && q <= max_query_len)
+      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back(b * num_kv_heads + h);
+  }
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  if (n_items == 0) return;
+  const int64_t cs[3] = {key_cache.stride(0), key_cache.stride(1), key_cache.stride(2)};
+  const int64_t os[2] = {out.stride(0), out.stride(1)};
+  const Q* qp = query.data_ptr<Q>();
+  const KV* kp = key_cache.data_ptr<KV>();
+  const KV* vp = value_cache.data_ptr<KV>();
+  Q* op = out.data_ptr<Q>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* sl = seq_lens.data_ptr<int64_t>();
+  const int64_t q_tok = query.stride(0), q_head = query.stride(1);
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n_items);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch w;
+    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
+      const int64_t item = items[i];
+      attend_item<Q, KV>(item / num_kv_heads, item % num_kv_heads, qp, q_tok, q_head, kp, vp, cs, bt,
+                         block_tables.stride(0), sl, qsl, op, os, group, d, block_size, static_cast<float>(scale), w);
+    }
+  });
+}
+
+// out [T, Hq, D] (query's dtype) <- attention of the rows of every sequence with 1..max_query_len new
+// tokens; other rows of out are left untouched. query [T, Hq, D] (last dim contiguous),
+// key_cache/value_cache [num_blocks, block_size, Hkv, D] (last dim contiguous, same strides),
+// block_tables [B, max_blocks] int64, seq_lens [B] int64 (context after this forward),
+// query_start_loc [B + 1] int64.
+void paged_attention_short(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                           torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
+                           torch::Tensor query_start_loc, double scale, int64_t max_query_len) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [T, Hq, D] of one shape");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.strides() == value_cache.strides(),
+              "key_cache/value_cache must be [num_blocks, block_size, Hkv, D] with equal strides");
+  TORCH_CHECK(query.size(2) == key_cache.size(3) && query.size(1) % key_cache.size(2) == 0,
+              "head_dim must match and num_heads be a multiple of num_kv_heads");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1,
+              "the head_dim axis must be contiguous");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
+              "out must have query's dtype, value_cache key_cache's");
+  for (const auto* t : {&block_tables, &seq_lens, &query_start_loc})
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous(), "metadata must be contiguous int64");
+  TORCH_CHECK(block_tables.stride(1) == 1, "block_tables rows must be contiguous");
+  // fp32, bf16, fp16 only (a double dispatch over every float type doubles the build time).
+  auto with_kv = [&](auto q_tag) {
+    using Q = decltype(q_tag);
+    switch (key_cache.scalar_type()) {
+      case torch::kFloat: return run<Q, float>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len);
+      case torch::kBFloat16: return run<Q, at::BFloat16>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len);
+      case torch::kHalf: return run<Q, at::Half>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len);
+      default: TORCH_CHECK(false, "unsupported KV cache dtype ", key_cache.scalar_type());
+    }
+  };
+  switch (query.scalar_type()) {
+    case torch::kFloat: return with_kv(float{});
+    case torch::kBFloat16: return with_kv(at::BFloat16{});
+    case torch::kHalf: return with_kv(at::Half{});
+    default: TORCH_CHECK(false, "unsupported query dtype ", query.scalar_type());
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention_short", &paged_attention_short,
+        "In-place paged attention of decode rows and short chunks (see kernels/cpu_attention.py)");
+}
