@@ -4,7 +4,8 @@ What runs where, per sequence of the flat batch (see AttentionMetadata):
 
 - decode rows and short chunks (at most ``MAX_PADDED_QUERY_LEN`` new tokens: speculative
   verification, short prefill tails): the C++ kernel, over the block table in place, one work
-  item per (sequence, KV head) on torch's intra-op threads, fp32 accumulation, online softmax;
+  item per sequence (or per sequence and KV head for small batches) on torch's intra-op threads,
+  fp32 accumulation, online softmax;
 - a long prefill chunk that starts at position 0: causal SDPA on the K/V the layer has just
   computed (``key``/``value``), no cache read;
 - a long chunk that continues a sequence (chunked prefill, a prefix-cache hit): that one

@@ -1,9 +1,10 @@
 // Paged attention on CPU, reading K/V in place through the block table (no gather copy).
 //
 // Decode rows and short chunks (verification runs, <= max_query_len queries per sequence):
-// one work item per (sequence, KV head). The G query heads that share a KV head and the Q
-// queries of the chunk are the item's G * Q rows, so every K/V block is read once per KV head
-// and reused by all those rows while it is in L1. Online softmax over the sequence's blocks
+// one work item per sequence (per (sequence, KV head) when the batch is too small for the
+// threads). The G query heads that share a KV head and the Q queries of the chunk are G * Q
+// rows of that head, so every K/V block is read once per KV head (converted to fp32 once, the
+// next block prefetched) and reused by all those rows while it is in L1. Online softmax over the sequence's blocks
 // (Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018; the running max /
 // sum / rescaled accumulator of FlashAttention, Dao et al. 2022), accumulated in fp32 whatever
 // the cache dtype (fp32, bf16, fp16). Items are handed to torch's intra-op threads (at::parallel_for,
@@ -120,6 +121,75 @@ inline void rescale_accumulate(float* acc, float corr, const float* p, const T* 
   }
 }
 
+#if defined(__AVX512F__)
+// head_dim = 16 * NC, known at compile time: the loops unroll and the accumulators stay in registers.
+template <int NC>
+inline void scores_fixed(const float* q, const float* kf, int n, float* s) {
+  __m512 qv[NC];
+  for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  for (int t = 0; t < n; ++t) {
+    const float* k = kf + t * 16 * NC;
+    __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+    __m512 b = NC > 1 ? _mm512_mul_ps(qv[1], _mm512_loadu_ps(k + 16)) : _mm512_setzero_ps();
+    for (int c = 2; c < NC; c += 2) {
+      a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), a);
+      if (c + 1 < NC) b = _mm512_fmadd_ps(qv[c + 1], _mm512_loadu_ps(k + 16 * (c + 1)), b);
+    }
+    s[t] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+  }
+}
+
+template <int NC>
+inline void accumulate_fixed(float* acc, float corr, const float* p, const float* vf, int n) {
+  __m512 a[NC], b[NC];   // even and odd tokens: two independent FMA chains per chunk
+  const __m512 vc = _mm512_set1_ps(corr);
+  for (int c = 0; c < NC; ++c) {
+    a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), vc);
+    b[c] = _mm512_setzero_ps();
+  }
+  int t = 0;
+  for (; t + 2 <= n; t += 2) {
+    const __m512 p0 = _mm512_set1_ps(p[t]), p1 = _mm512_set1_ps(p[t + 1]);
+    const float* v0 = vf + t * 16 * NC;
+    for (int c = 0; c < NC; ++c) {
+      a[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), a[c]);
+      b[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v0 + 16 * (NC + c)), b[c]);
+    }
+  }
+  if (t < n) {
+    const __m512 p0 = _mm512_set1_ps(p[t]);
+    for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vf + t * 16 * NC + 16 * c), a[c]);
+  }
+  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + 16 * c, _mm512_add_ps(a[c], b[c]));
+}
+#endif
+
+// s[t] = q . kf[t] for t < n (kf rows of length d, fp32).
+inline void block_scores(const float* q, const float* kf, int n, int d, float* s) {
+#if defined(__AVX512F__)
+  switch (d) {
+    case 64: return scores_fixed<4>(q, kf, n, s);
+    case 128: return scores_fixed<8>(q, kf, n, s);
+    case 32: return scores_fixed<2>(q, kf, n, s);
+    default: break;
+  }
+#endif
+  for (int t = 0; t < n; ++t) s[t] = dot(q, kf + t * d, d);
+}
+
+// acc = acc * corr + sum_t p[t] vf[t] (vf rows of length d, fp32).
+inline void block_accumulate(float* acc, float corr, const float* p, const float* vf, int n, int d) {
+#if defined(__AVX512F__)
+  switch (d) {
+    case 64: return accumulate_fixed<4>(acc, corr, p, vf, n);
+    case 128: return accumulate_fixed<8>(acc, corr, p, vf, n);
+    case 32: return accumulate_fixed<2>(acc, corr, p, vf, n);
+    default: break;
+  }
+#endif
+  rescale_accumulate(acc, corr, p, vf, d, n, d);
+}
+
 struct Scratch {
   std::vector<float> q, acc, m, l, s, kf, vf;
 };
@@ -150,68 +220,82 @@ inline void prefetch_block(const T* src, int64_t stride, int n, int d) {
 #endif
 }
 
-// One (sequence b, KV head h) item.
+// One item: sequence b, KV heads h0 .. h0 + nh - 1. Row r of head h: query token r / group,
+// query head h * group + r % group.
+struct Item {
+  int64_t b;
+  int64_t h0, nh;
+};
+
 template <typename Q, typename KV>
-void attend_item(int64_t b, int64_t h, const Q* query, int64_t q_tok_stride, int64_t q_head_stride,
+void attend_item(const Item& it, const Q* query, int64_t q_tok_stride, int64_t q_head_stride,
                  const KV* key_cache, const KV* value_cache, const int64_t* cs, const int64_t* block_tables,
                  int64_t bt_stride, const int64_t* seq_lens, const int64_t* query_start_loc, Q* out,
                  const int64_t* os, int group, int d, int block_size, float scale, Scratch& w) {
+  const int64_t b = it.b, h0 = it.h0, nh = it.nh;
   const int64_t first = query_start_loc[b];
   const int qlen = static_cast<int>(query_start_loc[b + 1] - first);
   const int64_t seq_len = seq_lens[b];
   const int64_t start = seq_len - qlen;
-  const int rows = qlen * group;  // row r: query token r / group, head h * group + r % group
-  w.q.resize(static_cast<size_t>(rows) * d);
-  w.acc.assign(static_cast<size_t>(rows) * d, 0.f);
-  w.m.assign(rows, -std::numeric_limits<float>::infinity());
-  w.l.assign(rows, 0.f);
+  const int rows = qlen * group;
+  const size_t all_rows = static_cast<size_t>(rows * nh);
+  w.q.resize(all_rows * d);
+  w.acc.assign(all_rows * d, 0.f);
+  w.m.assign(all_rows, -std::numeric_limits<float>::infinity());
+  w.l.assign(all_rows, 0.f);
   w.s.resize(block_size);
   w.kf.resize(static_cast<size_t>(block_size) * d);
   w.vf.resize(static_cast<size_t>(block_size) * d);
-  for (int r = 0; r < rows; ++r) {
-    const Q* src = query + (first + r / group) * q_tok_stride + (h * group + r % group) * q_head_stride;
-    for (int i = 0; i < d; ++i) w.q[r * d + i] = to_f32(src[i]) * scale;
-  }
+  for (int64_t h = h0; h < h0 + nh; ++h)
+    for (int r = 0; r < rows; ++r) {
+      const Q* src = query + (first + r / group) * q_tok_stride + (h * group + r % group) * q_head_stride;
+      float* dst = w.q.data() + ((h - h0) * rows + r) * d;
+      for (int i = 0; i < d; ++i) dst[i] = to_f32(src[i]) * scale;
+    }
   const int64_t* table = block_tables + b * bt_stride;
   const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+  // The item's heads of one token are contiguous: (nh - 1) * cs[2] + d elements.
+  const int span = static_cast<int>((nh - 1) * cs[2] + d);
   for (int64_t kb = 0; kb < num_blocks; ++kb) {
     const int64_t base = kb * block_size;
     const int n_block = static_cast<int>(std::min<int64_t>(block_size, seq_len - base));
-    const int64_t off = table[kb] * cs[0] + h * cs[2];
     if (kb + 1 < num_blocks) {
-      const int64_t next = table[kb + 1] * cs[0] + h * cs[2];
+      const int64_t next = table[kb + 1] * cs[0] + h0 * cs[2];
       const int n_next = static_cast<int>(std::min<int64_t>(block_size, seq_len - base - block_size));
-      prefetch_block(key_cache + next, cs[1], n_next, d);
-      prefetch_block(value_cache + next, cs[1], n_next, d);
+      prefetch_block(key_cache + next, cs[1], n_next, span);
+      prefetch_block(value_cache + next, cs[1], n_next, span);
     }
-    load_block(w.kf.data(), key_cache + off, cs[1], n_block, d);
-    load_block(w.vf.data(), value_cache + off, cs[1], n_block, d);
-    for (int r = 0; r < rows; ++r) {
-      // causal: query i (position start + i) sees keys 0 .. start + i
-      const int64_t visible = start + r / group + 1 - base;
-      const int n = static_cast<int>(std::min<int64_t>(n_block, visible));
-      if (n <= 0) continue;
-      float* s = w.s.data();
-      const float* q = w.q.data() + r * d;
-      float bmax = -std::numeric_limits<float>::infinity();
-      for (int t = 0; t < n; ++t) {
-        s[t] = dot(q, w.kf.data() + t * d, d);
-        bmax = std::max(bmax, s[t]);
+    for (int64_t h = h0; h < h0 + nh; ++h) {
+      const int64_t off = table[kb] * cs[0] + h * cs[2];
+      load_block(w.kf.data(), key_cache + off, cs[1], n_block, d);
+      load_block(w.vf.data(), value_cache + off, cs[1], n_block, d);
+      for (int r = 0; r < rows; ++r) {
+        // causal: query i (position start + i) sees keys 0 .. start + i
+        const int64_t visible = start + r / group + 1 - base;
+        const int n = static_cast<int>(std::min<int64_t>(n_block, visible));
+        if (n <= 0) continue;
+        const size_t hr = static_cast<size_t>((h - h0) * rows + r);
+        float* s = w.s.data();
+        block_scores(w.q.data() + hr * d, w.kf.data(), n, d, s);
+        float bmax = -std::numeric_limits<float>::infinity();
+        for (int t = 0; t < n; ++t) bmax = std::max(bmax, s[t]);
+        const float m_old = w.m[hr];
+        const float m_new = std::max(m_old, bmax);
+        const float corr = std::exp(m_old - m_new);  // 0 on the first block (m_old = -inf)
+        const float sum = exp_sum(s, n, m_new);
+        w.l[hr] = w.l[hr] * corr + sum;
+        w.m[hr] = m_new;
+        block_accumulate(w.acc.data() + hr * d, corr, s, w.vf.data(), n, d);
       }
-      const float m_old = w.m[r];
-      const float m_new = std::max(m_old, bmax);
-      const float corr = std::exp(m_old - m_new);  // 0 on the first block (m_old = -inf)
-      const float sum = exp_sum(s, n, m_new);
-      w.l[r] = w.l[r] * corr + sum;
-      w.m[r] = m_new;
-      rescale_accumulate(w.acc.data() + r * d, corr, s, w.vf.data(), d, n, d);
     }
   }
-  for (int r = 0; r < rows; ++r) {
-    Q* dst = out + (first + r / group) * os[0] + (h * group + r % group) * os[1];
-    const float inv = 1.f / w.l[r];
-    for (int i = 0; i < d; ++i) dst[i] = static_cast<Q>(w.acc[r * d + i] * inv);
-  }
+  for (int64_t h = h0; h < h0 + nh; ++h)
+    for (int r = 0; r < rows; ++r) {
+      const size_t hr = static_cast<size_t>((h - h0) * rows + r);
+      Q* dst = out + (first + r / group) * os[0] + (h * group + r % group) * os[1];
+      const float inv = 1.f / w.l[hr];
+      for (int i = 0; i < d; ++i) dst[i] = static_cast<Q>(w.acc[hr * d + i] * inv);
+    }
 }
 
 template <typename Q, typename KV>
@@ -224,13 +308,22 @@ void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& ke
   const int d = static_cast<int>(query.size(2));
   const int block_size = static_cast<int>(key_cache.size(1));
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
-  // The items this call owns: sequences with 1 .. max_query_len new tokens.
-  std::vector<int64_t> items;
-  items.reserve(num_seqs * num_kv_heads);
+  // The items this call owns: sequences with 1 .. max_query_len new tokens. With enough of them
+  // for every thread, one item reads all KV heads of a sequence (each block one contiguous
+  // range of memory); otherwise one item per KV head, so a small batch still uses every thread.
+  std::vector<int64_t> seqs;
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t q = qsl[b + 1] - qsl[b];
-    if (q >= 1 && q <= max_query_len)
-      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back(b * num_kv_heads + h);
+    if (q >= 1 && q <= max_query_len) seqs.push_back(b);
+  }
+  const int64_t threads = at::get_num_threads();
+  const bool whole = static_cast<int64_t>(seqs.size()) >= 2 * threads;
+  std::vector<Item> items;
+  items.reserve(seqs.size() * num_kv_heads);
+  for (int64_t b : seqs) {
+    if (whole) items.push_back({b, 0, num_kv_heads});
+    else
+      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({b, h, 1});
   }
   const int64_t n_items = static_cast<int64_t>(items.size());
   if (n_items == 0) return;
@@ -244,14 +337,12 @@ void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& ke
   const int64_t* sl = seq_lens.data_ptr<int64_t>();
   const int64_t q_tok = query.stride(0), q_head = query.stride(1);
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n_items);
+  const int64_t workers = std::min<int64_t>(threads, n_items);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch w;
-    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
-      const int64_t item = items[i];
-      attend_item<Q, KV>(item / num_kv_heads, item % num_kv_heads, qp, q_tok, q_head, kp, vp, cs, bt,
-                         block_tables.stride(0), sl, qsl, op, os, group, d, block_size, static_cast<float>(scale), w);
-    }
+    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1))
+      attend_item<Q, KV>(items[i], qp, q_tok, q_head, kp, vp, cs, bt, block_tables.stride(0), sl, qsl, op, os,
+                         group, d, block_size, static_cast<float>(scale), w);
   });
 }
 
