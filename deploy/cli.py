@@ -14,6 +14,7 @@ from typer.exceptions import TyperException
 
 from bench import compare as bench_compare
 from bench import engine as bench_engine
+from bench import gpu_check as bench_gpu_check
 from bench import kv_transfer as bench_kv_transfer
 from bench import offline as bench_offline
 from bench import peers as bench_peers
@@ -40,6 +41,7 @@ bench_app.command("kv-transfer")(bench_kv_transfer.command)
 bench_app.command("serve")(bench_serve.command)
 bench_app.command("compare")(bench_compare.command)
 bench_app.command("peers")(bench_peers.command)
+bench_app.command("gpu-check")(bench_gpu_check.command)
 eval_app.command("ppl")(eval_perplexity.command)
 
 

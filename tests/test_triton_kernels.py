@@ -41,7 +41,7 @@ def interpreter_run(tmp_path_factory):
 @pytest.mark.parametrize("family", [
     "test_decode_attention",     # split-K paged decode attention: dtypes, FP8 scales, GQA, splits, bad input
     "test_fp8_decode",           # FP8 attention against unquantized K/V
-    "test_backend",              # the "triton" attention backend against the "torch" one
+    "test_backend",              # the "triton" backend against the "torch" one (ops, and inside the model)
     "test_fp8_gemm",             # FP8 GEMM, per-token x per-channel scales: out dtypes, bias, edges, bad input
     "test_fp8_linear",           # FP8 linear against the fp32 linear
     "test_rms_norm",             # RMSNorm and fused add + RMSNorm: dtypes, the model's layer, bad input

@@ -280,3 +280,20 @@ def test_rms_norm_matches_the_model_layer():
 def test_rms_norm_rejects_bad_input(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+# -- the backend inside the model ----------------------------------------------------------------
+def test_backend_in_the_model_matches_torch_backend(model_path):
+    # SmolLM2's shapes (9 query heads, 3 KV heads, head dim 64), 30 layers: a prompt (reference
+    # fallback) then two decode steps of two sequences (the kernel), logits against the torch backend.
+    from engine.batch import SeqChunk
+    from engine.model_runner import ModelRunner
+
+    logits = {}
+    for backend in ("torch", "triton"):
+        runner = ModelRunner(model_path, num_blocks=8, block_size=16, attention_backend=backend)
+        runner.forward([SeqChunk(list(range(10, 27)), 0, [3, 5]), SeqChunk([40, 41, 42], 0, [6])])
+        steps = [runner.forward([SeqChunk([7 + i], 17 + i, [3, 5]), SeqChunk([8 + i], 3 + i, [6])])
+                 for i in range(2)]
+        logits[backend] = torch.cat(steps)
+    assert max_err(logits["triton"], logits["torch"]) <= 1e-3

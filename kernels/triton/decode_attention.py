@@ -93,6 +93,7 @@ def _decode_split_kernel(
     stride_lb, stride_lh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Program (b, kv_head, split): partial attention of KV head kv_head's GROUP query heads of
     sequence b over one slice of its context. Writes out [BLOCK_H, D] (normalized) and its lse
@@ -129,7 +130,7 @@ def _decode_split_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_kt
                     + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k)) * qk_scale                                     # [BLOCK_H, BLOCK_N]
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.exp2(scores - m_new[:, None])
@@ -137,7 +138,7 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vt
                     + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # V's dequantization scale is one number per KV head: apply it once, to the sum.
@@ -184,6 +185,13 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -
     return max(1, min(MAX_SPLITS, math.ceil(2 * sms / max(1, num_seqs * num_kv_heads))))
 
 
+def _dot_precision(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
+    """TF32 tensor cores hold fp16, bf16 and E4M3 values exactly (10-bit mantissa, 8-bit exponent),
+    so with such inputs only the softmax weights are rounded (~1e-3 relative, below a bf16
+    output's rounding); fp32 inputs keep full fp32 products (what an fp32 model asks for)."""
+    return "ieee" if torch.float32 in (query_dtype, cache_dtype) else "tf32"
+
+
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            k_scale: torch.Tensor | float | None = None, v_scale: torch.Tensor | float | None = None,
@@ -224,6 +232,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         part_lse.stride(0), part_lse.stride(1),
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=splits,
+        DOT_PRECISION=_dot_precision(query.dtype, key_cache.dtype),
     )
     _merge_splits_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out,
