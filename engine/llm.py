@@ -19,8 +19,9 @@ import torch
 from engine.batch import SeqChunk
 from engine.model_loader import DEFAULT_MODEL, load_tokenizer
 from engine.model_runner import ModelRunner
-from engine.sampler import Sampler, TokenLogprobs, check_stop, make_generator
+from engine.sampler import Sampler, TokenLogprobs, make_generator
 from proto.sampling import InvalidRequest, SamplingParams
+from proto.stop import token_stop_reason
 
 
 @dataclass
@@ -153,7 +154,7 @@ class LLM:
         s.token_ids.append(token_id)
         if logprobs is not None:
             s.logprobs.append(logprobs)
-        s.finish_reason = check_stop(token_id, len(s.token_ids), s.params, self.model_config.eos_token_ids)
+        s.finish_reason = token_stop_reason(token_id, len(s.token_ids), s.params, self.model_config.eos_token_ids)
         if s.finish_reason is None and len(s.token_ids) >= s.max_tokens:
             s.finish_reason = "length"  # the model's context is full
         if s.params.stop:

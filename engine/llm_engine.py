@@ -17,10 +17,10 @@ from typing import Callable, Sequence
 from engine.batch import SeqChunk
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import ChunkInfo, EngineStats, RequestOutput, Usage
 from engine.plan import SchedulePlan, StepResult
 from engine.request import Request, RequestState
+from proto.detokenizer import IncrementalDetokenizer
 from proto.sampling import InvalidRequest, SamplingParams
 from engine.scheduler import Scheduler
 

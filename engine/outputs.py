@@ -19,7 +19,7 @@ class RequestOutput:
 
     new_token_ids: tokens generated since the previous output (the first output of a request
         started with generate_remote does not repeat first_token_id).
-    text_delta: text that became safe to show (see engine/detokenizer.py).
+    text_delta: text that became safe to show (see proto/detokenizer.py).
     finish_reason: "stop" | "length" | "abort" | "error" once finished, else None.
     kv_block_ids: for a finished hold_kv request, the blocks it still holds (until release_kv).
     logprobs: per new token, the sampler's TokenLogprobs, when params.logprobs > 0.

@@ -55,21 +55,6 @@ def make_generator(params: SamplingParams, device: str | torch.device = "cpu") -
     return torch.Generator(device=device).manual_seed(params.seed)
 
 
-def check_stop(token_id: int, num_output_tokens: int, params: SamplingParams,
-               eos_token_ids: Sequence[int]) -> str | None:
-    """Finish reason after appending ``token_id`` as output token number ``num_output_tokens``:
-    "stop" (EOS unless ignore_eos, or a stop token id), "length" (max_tokens reached), or None.
-    Before min_tokens output tokens nothing but the length stops (the sampler masks EOS and the
-    stop token ids there, so this only matters for callers that did not sample)."""
-    if num_output_tokens < getattr(params, "min_tokens", 0):
-        return "length" if num_output_tokens >= params.max_tokens else None
-    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
-        return "stop"
-    if num_output_tokens >= params.max_tokens:
-        return "length"
-    return None
-
-
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """logits [N, V] float32; top_k [N] int64 (V = disabled); top_p [N] float32 (1 = disabled).
 

@@ -14,8 +14,8 @@ Request lifecycle (states in engine/request.py, legal moves in ``request.TRANSIT
    prompt + generated tokens requeued at the head of the queue (if none, the request itself).
 4. ``remote_kv_ready`` moves WAITING_FOR_REMOTE_KV -> RUNNING once a prefill worker's KV landed.
 5. ``update(plan, result)`` applies the step: computed counts, prefix-cache hashes for newly
-   full blocks, sampled tokens, stop checks (EOS, stop token ids, max_tokens, max_model_len) ->
-   FINISHED_STOPPED / FINISHED_LENGTH. Stop *strings* are found by the detokenizer and applied
+   full blocks, sampled tokens, stop checks (proto/stop.py: EOS, stop token ids, max_tokens,
+   max_model_len) -> FINISHED_STOPPED / FINISHED_LENGTH. Stop *strings* are found by the detokenizer and applied
    with ``finish``.
 6. Finishing frees the blocks, except for a ``hold_kv`` request (prefill worker): its blocks stay
    held until ``release_kv``. ``abort`` frees everything at any state (FINISHED_ABORTED).
@@ -33,6 +33,9 @@ from engine.config import SchedulerConfig
 from engine.plan import SchedulePlan, ScheduledChunk, StepResult
 from engine.request import Request, RequestState
 from proto.sampling import InvalidRequest
+from proto.stop import token_stop_reason
+
+_FINISHED = {"stop": RequestState.FINISHED_STOPPED, "length": RequestState.FINISHED_LENGTH}
 
 
 class CapacityError(RuntimeError):
@@ -232,12 +235,9 @@ class Scheduler:
             self.finish(req.request_id, state)
 
     def _stop_state(self, req: Request, token_id: int) -> RequestState | None:
-        p = req.params
-        if (token_id in self.eos_token_ids and not p.ignore_eos) or token_id in p.stop_token_ids:
-            return RequestState.FINISHED_STOPPED
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestState.FINISHED_LENGTH
-        return None
+        reason = token_stop_reason(token_id, len(req.output_token_ids), req.params, self.eos_token_ids,
+                                   req.num_tokens, self.max_model_len)
+        return None if reason is None else _FINISHED[reason]
 
     # ---- finishing ---------------------------------------------------------------------------
     def finish(self, request_id: str, state: RequestState) -> Request | None:

@@ -25,6 +25,7 @@ import grpc
 from kv_transfer.leases import LeaseTable
 from prefill_worker.kv_push import KVPusher, TransferFailed
 from proto.pdserve.v1 import worker_pb2
+from proto.stop import token_stop_reason
 from worker.core import WorkerCore, WorkerError, usage_pb
 
 log = logging.getLogger(__name__)
@@ -73,16 +74,13 @@ class PrefillWorker(WorkerCore):
             if not done:  # cancelled, failed: nothing may stay held or in flight
                 self.spawn(self._abort_push(rid))
         first = final.new_token_ids[0]
-        return worker_pb2.PrefillResponse(first_token_id=first, finish_reason=self._finish_reason(first, params),
+        return worker_pb2.PrefillResponse(first_token_id=first, finish_reason=self._finish_reason(first, ids, params),
                                           usage=usage_pb(final.usage), kv_bytes=nbytes, transfer_seconds=seconds)
 
-    def _finish_reason(self, token: int, params) -> str:
+    def _finish_reason(self, token: int, prompt_ids: list[int], params) -> str:
         """Whether the first token already ends the request (as the engine would decide)."""
-        if not params.ignore_eos and (token in self.model_config.eos_token_ids):
-            return "stop"
-        if token in params.stop_token_ids:
-            return "stop"
-        return "length" if params.max_tokens == 1 else ""
+        return token_stop_reason(token, 1, params, self.model_config.eos_token_ids, len(prompt_ids) + 1,
+                                 self.model_config.max_model_len) or ""
 
     async def release(self, request_id: str) -> None:
         if self.holds.confirm(request_id) is not None:

@@ -20,9 +20,9 @@ from typing import AsyncIterator
 
 import grpc
 
+from proto.detokenizer import IncrementalDetokenizer
 from proto.pdserve.v1 import api_pb2
 from proto.sampling import InvalidRequest, SamplingParams, check_prompt, to_wire
-from router.detokenizer import IncrementalDetokenizer
 from router.errors import ServiceError
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
@@ -179,7 +179,7 @@ class RouterService:
 
     async def _run(self, req: Prepared, start: float, deadline: float) -> AsyncIterator[Delta]:
         s = req.sampling
-        detok = IncrementalDetokenizer(self.tokenizer.decode, s.stop)
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, s.stop, s.skip_special_tokens)
         n_out, cached, last_t, first_t = 0, 0, None, start
         flow = self.orchestrator.run(req.request_id, req.prompt_ids, to_wire(s), deadline)
         async with contextlib.aclosing(flow):
@@ -199,9 +199,10 @@ class RouterService:
                 n_out += len(tokens.token_ids)
                 if tokens.usage is not None:
                     cached = max(cached, tokens.usage.cached_tokens)
-                out = detok.add(tokens.token_ids)
-                finish = "stop" if out.stopped else tokens.finish_reason
-                text = out.text if out.stopped else out.text + (detok.finish() if finish else "")
+                text = detok.step(tokens.token_ids)
+                finish = "stop" if detok.stopped else tokens.finish_reason
+                if finish and not detok.stopped:
+                    text += detok.finish()
                 delta = Delta(tokens.token_ids, text, finish, ttft_s=ttft)
                 if finish:
                     delta.usage = api_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=n_out,

@@ -12,7 +12,7 @@ import torch
 
 from engine.async_engine import AsyncEngine
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.detokenizer import REPLACEMENT
+from proto.detokenizer import REPLACEMENT
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine
 from proto.sampling import InvalidRequest, SamplingParams

@@ -1,16 +1,20 @@
-"""The torch-free protocol layer (proto/): one set of sampling rules, the wire converter, and the
-rule that importing it (and the router) never imports torch. No model, no network."""
+"""The torch-free protocol layer (proto/): one set of sampling rules, the wire converter, the stop
+rules, one detokenizer for router and engine, and the rule that importing it (and the router) never
+imports torch. No model, no network."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from proto.detokenizer import IncrementalDetokenizer
 from proto.pdserve.v1 import api_pb2
 from proto.sampling import InvalidRequest, SamplingParams, check_prompt, from_wire, to_wire
+from proto.stop import find_stop_string, partial_stop_len, token_stop_reason
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,3 +68,52 @@ def test_prompt_rules():
     with pytest.raises(InvalidRequest, match="^max_tokens.*context length 100"):
         check_prompt([1] * 90, 11, 100)
     check_prompt([1] * 90, 10, 100, vocab_size=10)
+
+
+# -- stop rules (proto/stop.py) ------------------------------------------------------------------
+def test_token_stop_rules():
+    p = SamplingParams(max_tokens=3, stop_token_ids=(7,))
+    eos = (2,)
+    assert token_stop_reason(5, 1, p, eos) is None
+    assert token_stop_reason(2, 1, p, eos) == "stop"
+    assert token_stop_reason(7, 1, p, eos) == "stop"
+    assert token_stop_reason(5, 3, p, eos) == "length"
+    assert token_stop_reason(2, 3, p, eos) == "stop"  # token rules before length rules
+    assert token_stop_reason(2, 1, SamplingParams(max_tokens=3, ignore_eos=True), eos) is None
+    assert token_stop_reason(5, 1, p, eos, num_tokens=100, max_model_len=100) == "length"  # context full
+    assert token_stop_reason(5, 1, p, eos, num_tokens=99, max_model_len=100) is None
+    m = SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=(7,))
+    assert token_stop_reason(2, 1, m, eos) is None and token_stop_reason(7, 1, m, eos) is None  # under min_tokens
+    assert token_stop_reason(7, 2, m, eos) == "stop"
+    assert token_stop_reason(5, 1, SamplingParams(max_tokens=1, min_tokens=1), eos) == "length"
+
+
+def test_stop_string_helpers():
+    assert find_stop_string("abc\nEND x", ("END", "\n")) == 3
+    assert find_stop_string("abcEND", ("END",), start=4) is None
+    assert partial_stop_len("Hello\nEN", ("\nEND",)) == 3
+    assert partial_stop_len("Hello", ("\nEND",)) == 0
+    assert partial_stop_len("xab", ("abc", "bz")) == 2
+
+
+# -- one detokenizer -----------------------------------------------------------------------------
+def test_router_and_engine_use_the_same_detokenizer_type():
+    import engine.llm_engine
+    import router.service
+
+    assert engine.llm_engine.IncrementalDetokenizer is IncrementalDetokenizer
+    assert router.service.IncrementalDetokenizer is IncrementalDetokenizer
+
+
+def test_no_other_detokenizer_or_stop_rule_is_defined():
+    """The copies this layer replaced must not come back under another module."""
+    defined = {}
+    packages = [d for d in REPO.iterdir() if (d / "__init__.py").exists() and d.name != "tests"]
+    for path in (p for d in packages for p in d.rglob("*.py") if "_pb2" not in p.name):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and (
+                    "detokeniz" in node.name.lower() and isinstance(node, ast.ClassDef)
+                    or node.name in ("check_stop", "token_stop_reason", "find_stop_string", "partial_stop_len")):
+                defined.setdefault(node.name, []).append(str(path.relative_to(REPO)))
+    assert defined == {"IncrementalDetokenizer": ["proto/detokenizer.py"], "token_stop_reason": ["proto/stop.py"],
+                       "find_stop_string": ["proto/stop.py"], "partial_stop_len": ["proto/stop.py"]}

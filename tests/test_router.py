@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from router.detokenizer import IncrementalDetokenizer
 from router.selection import WorkerLoad, choose_decode, choose_prefill, use_local_prefill
+from proto.detokenizer import IncrementalDetokenizer
 from proto.sampling import InvalidRequest
 from router.validation import validate_model
 
@@ -59,22 +59,22 @@ def test_model_rule():
     validate_model("", "smollm2")
 
 
-# -- incremental detokenization --------------------------------------------------------------
+# -- incremental detokenization (proto/detokenizer.py, the router's and the engine's) --------------------------------------------------------------
 # A toy byte-level vocabulary: token i decodes to VOCAB[i]; "é" is split over two byte tokens.
 VOCAB = {0: b"Hello", 1: b" wor", 2: b"ld", 3: b"\xc3", 4: b"\xa9", 5: b"!", 6: b"\n", 7: b"EN", 8: b"D"}
 
 
-def _decode(ids):
-    return b"".join(VOCAB[i] for i in ids).decode("utf-8", errors="replace")
+class _ToyTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return b"".join(VOCAB[i] for i in ids).decode("utf-8", errors="replace")
 
 
 def _run(ids, stop=(), step=1):
-    d = IncrementalDetokenizer(_decode, tuple(stop))
+    d = IncrementalDetokenizer(_ToyTokenizer(), (), tuple(stop))
     out, stopped = [], False
     for i in range(0, len(ids), step):
-        delta = d.add(ids[i:i + step])
-        out.append(delta.text)
-        if delta.stopped:
+        out.append(d.step(ids[i:i + step]))
+        if d.stopped:
             stopped = True
             break
     if not stopped:

@@ -8,8 +8,9 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.sampler import Sampler, apply_top_k_top_p, check_stop, make_generator
+from engine.sampler import Sampler, apply_top_k_top_p, make_generator
 from proto.sampling import SamplingParams
+from proto.stop import token_stop_reason
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 LOGITS = torch.tensor([[math.log(p) for p in PROBS]])
@@ -97,16 +98,6 @@ def test_top_n_logprobs_are_sorted_and_match_log_softmax():
     assert abs(third.logprob - ref[2, out.token_ids[2]].item()) < 1e-5
 
 
-def test_check_stop():
-    p = SamplingParams(max_tokens=3, stop_token_ids=(7,))
-    eos = (2,)
-    assert check_stop(5, 1, p, eos) is None
-    assert check_stop(2, 1, p, eos) == "stop"
-    assert check_stop(7, 1, p, eos) == "stop"
-    assert check_stop(5, 3, p, eos) == "length"
-    assert check_stop(2, 1, SamplingParams(max_tokens=3, ignore_eos=True), eos) is None
-
-
 def test_rows_and_params_must_agree():
     with pytest.raises(ValueError, match="2 logits rows but 1 params"):
         Sampler().sample(torch.zeros(2, 4), [SamplingParams()])
@@ -148,7 +139,7 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     kept = logits.clone()
     apply_min_tokens(kept, [SamplingParams(min_tokens=2, ignore_eos=True)], [RowHistory([], [])], (1,))
     assert torch.isfinite(kept).all()  # ignore_eos: EOS is not a stop, so not masked (vLLM)
-    assert check_stop(1, 1, params, (1,)) is None and check_stop(1, 2, params, (1,)) == "stop"
+    assert token_stop_reason(1, 1, params, (1,)) is None and token_stop_reason(1, 2, params, (1,)) == "stop"
 
 
 def test_logprobs_zero_gives_the_chosen_token_only():
