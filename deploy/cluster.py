@@ -47,6 +47,13 @@ class ClusterSpec:
     transfer_timeout_s: float = 30.0        # a KV push not confirmed by then fails (the router retries once)
     worker_start_timeout_s: float = 300.0   # every worker loaded and serving, or `serve` fails
     supervise_interval_s: float = SUPERVISE_INTERVAL_S
+    # Ray custom resources each role's actors ask for, e.g. {"prefill": 1}: with nodes started as
+    # `ray start --resources '{"prefill": 4}'`, a role lands only on the nodes that carry its label.
+    prefill_resources: tuple[tuple[str, float], ...] = ()
+    decode_resources: tuple[tuple[str, float], ...] = ()   # decode and agg workers
+
+    def role_resources(self, role: str) -> dict[str, float]:
+        return dict(self.prefill_resources if role == "prefill" else self.decode_resources)
 
     def worker_configs(self) -> list[WorkerConfig]:
         roles = [("agg", self.num_decode)] if self.mode == "agg" else [("prefill", self.num_prefill),
@@ -100,6 +107,12 @@ class WorkerActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str:
+        """The Ray node this worker was placed on (hex id)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
 
 class ClusterController:
     """Starts the worker actors, supervises them, and is the router's registry."""
@@ -113,7 +126,7 @@ class ClusterController:
         self._actors = {
             c.worker_id: actor_cls.options(
                 name=f"pdserve-{c.worker_id}-{os.getpid()}", num_cpus=spec.num_cpus_per_worker,
-                num_gpus=spec.num_gpus_per_worker,
+                num_gpus=spec.num_gpus_per_worker, resources=spec.role_resources(c.role),
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(c.num_threads)}}).remote(c)
             for c in self._configs}
         self._roles = {c.worker_id: c.role for c in self._configs}
@@ -137,6 +150,12 @@ class ClusterController:
 
     async def worker_pid(self, worker_id: str) -> int:
         return await self._actors[worker_id].pid.remote()
+
+    async def placement(self) -> dict[str, str]:
+        """worker id -> the Ray node id it runs on."""
+        ids = list(self._actors)
+        nodes = await asyncio.gather(*(self._actors[w].node_id.remote() for w in ids))
+        return dict(zip(ids, nodes))
 
     async def _supervise(self, wid: str) -> None:
         import ray

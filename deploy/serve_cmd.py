@@ -45,6 +45,11 @@ def command(
                                     rich_help_panel=CLUSTER),
     num_gpus_per_worker: float = typer.Option(0.0, min=0.0, help="GPUs declared per worker (1 on GPU nodes).",
                                               rich_help_panel=CLUSTER),
+    prefill_resources: str = typer.Option("", help='Ray custom resources each prefill worker needs, JSON, e.g. '
+                                          '\'{"prefill": 1}\' (places the role on the nodes that carry them).',
+                                          rich_help_panel=CLUSTER),
+    decode_resources: str = typer.Option("", help="Ray custom resources each decode (or agg) worker needs, JSON.",
+                                         rich_help_panel=CLUSTER),
     num_cpus_per_worker: float = typer.Option(1.0, min=0.0, help="CPUs Ray reserves per worker.",
                                               rich_help_panel=CLUSTER),
     num_blocks: int = typer.Option(512, min=1, help="KV blocks per worker.", rich_help_panel=SCHED),
@@ -106,7 +111,9 @@ def command(
                        num_gpus_per_worker=num_gpus_per_worker, num_cpus_per_worker=num_cpus_per_worker,
                        block_size=block_size, max_model_len=max_model_len,
                        enable_prefix_caching=enable_prefix_caching, served_model_name=served_model_name,
-                       transfer_timeout_s=transfer_timeout, worker_start_timeout_s=worker_start_timeout)
+                       transfer_timeout_s=transfer_timeout, worker_start_timeout_s=worker_start_timeout,
+                       prefill_resources=parse_resources(prefill_resources, "--prefill-resources"),
+                       decode_resources=parse_resources(decode_resources, "--decode-resources"))
     router = RouterConfig(host=host, port=port, http_port=None if http_port < 0 else http_port,
                           metrics_port=spec.metrics_port, mode=mode, local_prefill_threshold=local_prefill_threshold,
                           max_waiting=max_waiting, drain_grace_s=drain_seconds, served_model_name=served_model_name,
@@ -187,3 +194,22 @@ async def _until_stopped(coro, stop) -> None:
         task.cancel()
         raise KeyboardInterrupt
     task.result()
+
+
+def parse_resources(text: str, flag: str) -> tuple[tuple[str, float], ...]:
+    """'{"prefill": 1}' -> (("prefill", 1.0),); UserError naming the flag for anything else."""
+    import json
+
+    if not text:
+        return ()
+    try:
+        doc = json.loads(text)
+        if not isinstance(doc, dict) or not doc:
+            raise ValueError("not a non-empty object")
+        items = tuple(sorted((str(k), float(v)) for k, v in doc.items()))
+    except (ValueError, TypeError) as e:
+        raise UserError(f"{flag} {text!r}: expected a JSON object of resource names to amounts, "
+                        f"e.g. '{{\"prefill\": 1}}' ({e})") from None
+    if any(v <= 0 for _, v in items) or any(k in ("CPU", "GPU", "memory") for k, _ in items):
+        raise UserError(f"{flag}: amounts must be > 0 and names custom (CPU/GPU have their own flags)")
+    return items
