@@ -18,6 +18,7 @@ from bench import gpu_check as bench_gpu_check
 from bench import kv_transfer as bench_kv_transfer
 from bench import offline as bench_offline
 from bench import peers as bench_peers
+from bench import profile as bench_profile
 from bench import serve as bench_serve
 from deploy import generate_cmd, plan_cmd, serve_cmd, status_cmd
 from engine.errors import UserError
@@ -35,6 +36,7 @@ app.command("generate")(generate_cmd.command)
 app.command("serve")(serve_cmd.command)
 app.command("status")(status_cmd.command)
 app.command("plan")(plan_cmd.command)
+app.command("profile")(bench_profile.command)
 bench_app.command("engine")(bench_engine.command)
 bench_app.command("offline")(bench_offline.command)
 bench_app.command("kv-transfer")(bench_kv_transfer.command)
