@@ -19,9 +19,10 @@ FORBIDDEN = {
     "prefill_worker": {"decode_worker", "router", "deploy", "bench"},
     "decode_worker": {"prefill_worker", "router", "deploy", "bench"},
     "engine": {"worker", "prefill_worker", "decode_worker", "router", "deploy", "bench", "kv_transfer"},
+    "planner": set(PACKAGES) - {"planner"},   # pure decision logic: actuation lives in deploy/
     "kernels": {"engine", "worker", "prefill_worker", "decode_worker", "router", "deploy", "bench"},
 }
-NO_TORCH = ("proto", "router")  # nor anything that imports torch (transformers, nixl)
+NO_TORCH = ("proto", "router", "planner")  # nor anything that imports torch (transformers, nixl)
 TORCH_LIKE = {"torch", "transformers", "nixl", "triton"}
 
 
