@@ -20,7 +20,7 @@ from bench import offline as bench_offline
 from bench import peers as bench_peers
 from bench import profile as bench_profile
 from bench import serve as bench_serve
-from deploy import generate_cmd, plan_cmd, serve_cmd, status_cmd
+from deploy import generate_cmd, plan_cmd, router_cmd, serve_cmd, status_cmd
 from engine.errors import UserError
 from evals import perplexity as eval_perplexity
 from proto.sampling import InvalidRequest
@@ -34,6 +34,7 @@ app.add_typer(eval_app, name="eval")
 
 app.command("generate")(generate_cmd.command)
 app.command("serve")(serve_cmd.command)
+app.command("router")(router_cmd.command)
 app.command("status")(status_cmd.command)
 app.command("plan")(plan_cmd.command)
 app.command("profile")(bench_profile.command)

@@ -5,7 +5,9 @@ its engine and serves the worker gRPC API on 127.0.0.1 at a free port. The `Clus
 (in the process that starts the cluster, beside the router) supervises them: it (re)starts each
 actor's server, learns its address, and answers the router's registry calls (`list_workers`).
 When Ray restarts a dead actor, the controller's next supervision pass boots it again and the
-router picks up the new address. A Redis-backed registry can replace the controller later.
+router picks up the new address. With a Redis registry (``ClusterSpec.registry_url``) each worker
+also registers itself there (worker/registration.py: a key with a TTL its heartbeat renews) and
+pushes its KV events to its Redis Stream, and routers discover workers from Redis instead.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class ClusterSpec:
     transfer_timeout_s: float = 30.0        # a KV push not confirmed by then fails (the router retries once)
     worker_start_timeout_s: float = 300.0   # every worker loaded and serving, or `serve` fails
     supervise_interval_s: float = SUPERVISE_INTERVAL_S
+    registry_url: str | None = None   # redis://HOST:PORT/DB: workers register there, routers watch it
+    registry_ttl_s: float = 3.0
     # Ray custom resources each role's actors ask for, e.g. {"prefill": 1}: with nodes started as
     # `ray start --resources '{"prefill": 4}'`, a role lands only on the nodes that carry its label.
     prefill_resources: tuple[tuple[str, float], ...] = ()
@@ -76,9 +80,12 @@ class ClusterSpec:
 class WorkerActor:
     """A worker process under Ray. Wrapped with ray.remote(max_restarts=-1) by `ClusterController`."""
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, registry_url: str | None = None, registry_ttl_s: float = 3.0) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", str(config.num_threads))
         self.config = config
+        self._registry = (registry_url, registry_ttl_s)
+        self._registration = None
+        self._kv_sink = None
         self._server = None
         self._starting: asyncio.Task | None = None
 
@@ -98,8 +105,36 @@ class WorkerActor:
             from worker.metrics import serve_worker_metrics
 
             serve_worker_metrics(self._server.worker, self.config.metrics_port, self.config.host)
+        url, ttl = self._registry
+        if url:
+            import redis.asyncio as aioredis
+
+            from worker.kv_events import RedisKvSink
+            from worker.registration import RedisRegistration, registration_for
+
+            self._kv_sink = RedisKvSink(self._server.worker.kv_events, aioredis.from_url(url, socket_timeout=1.0))
+            self._kv_sink.start()
+            self._registration = RedisRegistration(url, registration_for(self._server.worker, self._server.address),
+                                                   ttl)
+            await self._registration.start()
+
+    def pause_heartbeat(self, paused: bool = True) -> None:
+        """Fault injection (tests): stop renewing the registry key, as a hung worker would."""
+        if self._registration is not None:
+            self._registration.paused = paused
+
+    def inject_kv_event_gap(self, n: int = 1) -> int:
+        """Fault injection (tests): drop the next n KV-event records; returns the current seq."""
+        self._server.worker.kv_events.skip_next = n
+        return self._server.worker.kv_events.seq
 
     async def stop(self) -> None:
+        if self._registration is not None:  # deregister first: routers stop sending new requests
+            await self._registration.stop()
+            self._registration = None
+        if self._kv_sink is not None:
+            await self._kv_sink.close()
+            self._kv_sink = None
         if self._server is not None:
             await self._server.stop()
             self._server = None
@@ -127,7 +162,8 @@ class ClusterController:
             c.worker_id: actor_cls.options(
                 name=f"pdserve-{c.worker_id}-{os.getpid()}", num_cpus=spec.num_cpus_per_worker,
                 num_gpus=spec.num_gpus_per_worker, resources=spec.role_resources(c.role),
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(c.num_threads)}}).remote(c)
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(c.num_threads)}}).remote(
+                    c, spec.registry_url, spec.registry_ttl_s)
             for c in self._configs}
         self._roles = {c.worker_id: c.role for c in self._configs}
         self._addresses: dict[str, str] = {}

@@ -16,7 +16,7 @@ from typing import Any, Coroutine
 
 from deploy.cluster import ClusterController, ClusterSpec, init_ray
 from router.app import Router, RouterConfig
-from router.registry import CallableRegistry
+from router.registry import CallableRegistry, Registry
 
 
 class LocalServing:
@@ -50,13 +50,23 @@ class LocalServing:
     async def _start(self) -> None:
         self.controller = ClusterController(self.spec)
         await self.controller.start(self._timeout)
-        self.router = Router(CallableRegistry(self.controller.list_workers), self.router_config)
+        self.router = Router(self.make_registry(), self.router_config)
         await self.router.start()
         for _ in range(200):  # until the router has connected to every worker
-            if self.router.ready() and len(self.router.pool.workers()) == len(self.spec.worker_configs()):
+            consumer = self.router.kv_consumer  # with Redis: following the KV-event streams
+            if self.router.ready() and len(self.router.pool.workers()) == len(self.spec.worker_configs()) \
+                    and (consumer is None or consumer.connected):
                 return
             await asyncio.sleep(0.05)
         raise TimeoutError("router did not connect to every worker")
+
+    def make_registry(self) -> Registry:
+        """The routers' registry: Redis when the spec names one, else the controller."""
+        if self.spec.registry_url:
+            from router.redis_registry import RedisRegistry
+
+            return RedisRegistry(self.spec.registry_url)
+        return CallableRegistry(self.controller.list_workers)
 
     @property
     def grpc_address(self) -> str:

@@ -13,6 +13,7 @@ from typing import Optional
 
 import typer
 
+from deploy import router_cmd
 from engine.errors import UserError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -88,6 +89,11 @@ def command(
                                                rich_help_panel=LEASES),
     drain_seconds: float = typer.Option(30.0, min=0.0, help="Grace period for in-flight requests at shutdown.",
                                         rich_help_panel=LEASES),
+    registry: str = typer.Option("", help=router_cmd.REGISTRY_HELP, rich_help_panel=CLUSTER),
+    router_policy: str = typer.Option("kv", help=router_cmd.POLICY_HELP, rich_help_panel=ROUTER),
+    router_temperature: float = typer.Option(0.0, help=router_cmd.TEMPERATURE_HELP, rich_help_panel=ROUTER),
+    routers: int = typer.Option(1, min=1, help="Router replicas (gRPC ports --port, --port+1, ...; HTTP likewise; "
+                                "metrics on the first).", rich_help_panel=ROUTER),
 ) -> None:
     """pdserve serve [MODEL]: start the router and workers on Ray."""
     import asyncio
@@ -96,6 +102,8 @@ def command(
     from router.app import RouterConfig
 
     model = _model(model_arg, model)
+    registry_url = router_cmd.check_registry(registry)
+    routing = router_cmd.routing_config(router_policy, router_temperature)
     if mode not in ("disagg", "agg"):
         raise UserError(f"--mode must be disagg or agg, got {mode!r}")
     if kv_transport not in ("nixl", "torch", "tcp"):
@@ -113,7 +121,8 @@ def command(
                        enable_prefix_caching=enable_prefix_caching, served_model_name=served_model_name,
                        transfer_timeout_s=transfer_timeout, worker_start_timeout_s=worker_start_timeout,
                        prefill_resources=parse_resources(prefill_resources, "--prefill-resources"),
-                       decode_resources=parse_resources(decode_resources, "--decode-resources"))
+                       decode_resources=parse_resources(decode_resources, "--decode-resources"),
+                       registry_url=registry_url)
     router = RouterConfig(host=host, port=port, http_port=None if http_port < 0 else http_port,
                           metrics_port=spec.metrics_port, mode=mode, local_prefill_threshold=local_prefill_threshold,
                           max_waiting=max_waiting, drain_grace_s=drain_seconds, served_model_name=served_model_name,
@@ -121,8 +130,9 @@ def command(
                           generation_config=generation_config, request_timeout_s=request_timeout,
                           reservation_lease_s=reservation_lease, hold_lease_s=hold_lease,
                           prefill_attempts=prefill_attempts, abort_timeout_s=abort_timeout,
-                          worker_poll_interval_s=worker_poll_interval, worker_rpc_timeout_s=worker_rpc_timeout)
-    asyncio.run(_serve(spec, router, ray_address or None))
+                          worker_poll_interval_s=worker_poll_interval, worker_rpc_timeout_s=worker_rpc_timeout,
+                          routing=routing)
+    asyncio.run(_serve(spec, router, ray_address or None, routers))
 
 
 def _model(positional: str | None, option: str | None) -> str:
@@ -141,12 +151,23 @@ def _check_readable(path: Path | None, flag: str) -> None:
         raise UserError(f"{flag}: cannot read {str(path)!r}: {getattr(e, 'strerror', None) or e}") from None
 
 
-async def _serve(spec, router_config, ray_address: str | None) -> None:
+def replica_config(config, i: int):
+    """Router replica i of --routers: the next ports (0 stays 0 = any free one), metrics on the first only."""
+    from dataclasses import replace
+
+    if i == 0:
+        return config
+    return replace(config, port=config.port + i if config.port else 0,
+                   http_port=config.http_port + i if config.http_port else config.http_port, metrics_port=None)
+
+
+async def _serve(spec, router_config, ray_address: str | None, n_routers: int = 1) -> None:
     import asyncio
     import signal
 
     from deploy.cluster import ClusterController, init_ray
     from router.app import Router
+    from router.redis_registry import RedisRegistry
     from router.registry import CallableRegistry
 
     n_workers = len(spec.worker_configs())
@@ -156,16 +177,21 @@ async def _serve(spec, router_config, ray_address: str | None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     controller = ClusterController(spec)
-    router = None
+    routers: list[Router] = []
     try:
         print(f"pdserve: starting {n_workers} workers ({spec.mode}, kv transport {spec.kv_transport})...", flush=True)
         await _until_stopped(controller.start(), stop)
-        router = Router(CallableRegistry(controller.list_workers), router_config)
-        ep = await router.start()
         lines = [f"pdserve: serving {spec.model}" + (f" as {spec.served_model_name}" if spec.served_model_name
-                                                      else ""), f"  grpc     {ep.grpc}"]
-        lines += [f"  http     http://{ep.http}/v1"] if ep.http else []
-        lines += [f"  metrics  http://{ep.metrics}/metrics"] if ep.metrics else []
+                                                      else "")
+                 + (f" (registry {spec.registry_url})" if spec.registry_url else "")]
+        for i in range(n_routers):
+            registry = RedisRegistry(spec.registry_url) if spec.registry_url else \
+                CallableRegistry(controller.list_workers)
+            routers.append(Router(registry, replica_config(router_config, i)))
+            ep = await routers[-1].start()
+            lines += [f"  grpc     {ep.grpc}"]
+            lines += [f"  http     http://{ep.http}/v1"] if ep.http else []
+            lines += [f"  metrics  http://{ep.metrics}/metrics"] if ep.metrics else []
         print("\n".join(lines), flush=True)
         for w in await controller.list_workers():
             print(f"  worker   {w.id:<10} {w.role:<8} {w.address}", flush=True)
@@ -173,7 +199,7 @@ async def _serve(spec, router_config, ray_address: str | None) -> None:
         await stop.wait()
         print("pdserve: draining...", flush=True)
     finally:
-        if router is not None:
+        for router in routers:
             await router.stop()
         await controller.stop()
         import ray

@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass
 
 KV_EVENTS_VERSION = 1
+STREAM_PREFIX = "pdserve:kv:"  # Redis Stream of a worker's records: STREAM_PREFIX + worker id
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,11 @@
 
 `stop` drains: health goes NOT_SERVING, new requests are refused, in-flight ones finish (up to the
 grace period), then the servers close.
+
+With a Redis registry (router/redis_registry.py) the router also follows the workers' KV-event
+streams (router/kv_sync.py); while Redis is unreachable it serves from its last view of the
+workers, pulls KV events over gRPC instead, and says so in /health ("registry": "disconnected")
+and in the pdserve:registry_connected gauge.
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ import uvicorn
 from proto.pdserve.v1 import api_pb2
 from router.grpc_server import NOT_SERVING, SERVICE_NAME, SERVING, build_server
 from router.http_server import build_app
+from router.kv_sync import KvEventSync
 from router.metrics import RouterMetrics, serve_metrics
 from router.orchestrator import FlowConfig, Orchestrator
 from router.pool import RPC_TIMEOUT_S, WorkerPool
+from router.prefix_index import PrefixIndex
 from router.registry import Registry
+from router.routing import RoutingConfig, Selector
 from router.service import DEFAULT_DEADLINE_S, RouterService, ServiceConfig
 
 log = logging.getLogger(__name__)
@@ -54,6 +62,7 @@ class RouterConfig:
     abort_timeout_s: float = FlowConfig.abort_timeout_s
     worker_poll_interval_s: float = 0.2
     worker_rpc_timeout_s: float = RPC_TIMEOUT_S
+    routing: RoutingConfig = RoutingConfig()   # --router-policy, --router-temperature
 
     def flow(self) -> FlowConfig:
         return FlowConfig(self.mode, self.local_prefill_threshold, self.reservation_lease_s, self.hold_lease_s,
@@ -74,10 +83,22 @@ class Endpoints:
 class Router:
     def __init__(self, registry: Registry, config: RouterConfig) -> None:
         self.config = config
-        self.pool = WorkerPool(registry, config.worker_poll_interval_s, config.worker_rpc_timeout_s)
-        self.orchestrator = Orchestrator(self.pool, config.flow())
+        self.registry = registry
+        self.index = PrefixIndex()
+        self.kv_sync = KvEventSync(self.index)
+        self.pool = WorkerPool(registry, config.worker_poll_interval_s, config.worker_rpc_timeout_s,
+                               kv_sync=self.kv_sync)
+        self.kv_consumer = None
+        if hasattr(registry, "client") and hasattr(registry, "connected"):  # a RedisRegistry
+            from router.kv_sync import RedisKvConsumer
+
+            self.kv_consumer = RedisKvConsumer(self.kv_sync, self.pool, registry.client)
+            self.pool.kv_events_pushed = lambda: self.kv_consumer.connected
+        self.selector = Selector(self.pool, self.index, config.routing)
+        self.orchestrator = Orchestrator(self.pool, config.flow(), self.selector)
         self.metrics = RouterMetrics()
         self.service = RouterService(self.pool, self.orchestrator, self.metrics, config.service())
+        self.service.health_details = self.health_details
         self._grpc = None
         self._health = None
         self._uvicorn: uvicorn.Server | None = None
@@ -87,7 +108,11 @@ class Router:
 
     async def start(self) -> Endpoints:
         c = self.config
+        if hasattr(self.registry, "start"):
+            await self.registry.start()
         await self.pool.start()
+        if self.kv_consumer is not None:
+            self.kv_consumer.start()
         self._grpc, self._health, grpc_port = build_server(self.service, self.cluster_status, c.host, c.port)
         await self._grpc.start()
         http = await self._start_http() if c.http_port is not None else None
@@ -117,8 +142,18 @@ class Router:
             return "agg" in roles
         return {"prefill", "decode"} <= roles
 
+    def health_details(self) -> dict:
+        """What /health adds: the registry's state and the routing policy."""
+        connected = getattr(self.registry, "connected", None)
+        out = {"router_policy": self.config.routing.policy}
+        if connected is not None:
+            out["registry"] = "connected" if connected else "disconnected (serving from the last view)"
+        return out
+
     async def _health_loop(self) -> None:
         while True:
+            connected = getattr(self.registry, "connected", True)
+            self.metrics.registry_connected.set(1 if connected else 0)
             status = SERVING if self.ready() else NOT_SERVING
             await self._health.set("", status)
             await self._health.set(SERVICE_NAME, status)
@@ -146,4 +181,8 @@ class Router:
         if self._http_task:
             await asyncio.gather(self._http_task, return_exceptions=True)
         await self.orchestrator.drain()
+        if self.kv_consumer is not None:
+            await self.kv_consumer.close()
         await self.pool.close()
+        if hasattr(self.registry, "close"):
+            await self.registry.close()

@@ -93,7 +93,7 @@ def build_app(service: RouterService) -> FastAPI:
     @app.get("/health")
     async def health() -> dict:
         service.model_id  # raises UNAVAILABLE without a live worker
-        return {"status": "ok"}
+        return {"status": "ok", **getattr(service, "health_details", dict)()}
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -34,6 +34,10 @@ class RouterMetrics:
         self.kv_bytes = Counter("pdserve:kv_transfer_bytes_total", "KV bytes moved prefill -> decode", registry=r)
         self.kv_seconds = Histogram("pdserve:kv_transfer_seconds", "KV transfer time per request",
                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.registry_connected = Gauge("pdserve:registry_connected",
+                                        "1 while the worker registry is reachable (0: serving from the last view)",
+                                        registry=r)
+        self.registry_connected.set(1)
         self.prefix_hits = Counter("pdserve:prefix_cache_hit_tokens_total", "Prompt tokens served from a prefix cache",
                                    registry=r)
 

@@ -1,13 +1,17 @@
 """The two-phase request flow across workers, with abort fan-out and one prefill retry.
 
-Disaggregated (prompt >= --local-prefill-threshold tokens):
-  1. choose a decode worker D (most free KV blocks, then fewest running); D.Reserve -> destination blocks
-  2. choose a prefill worker P (shortest queue); P.Prefill computes the prompt, writes its KV into
+Workers are chosen by router/routing.py (--router-policy; kv: prefix overlap against load for
+agg and prefill workers, KV headroom for decode workers), each choice booked on its worker.
+
+Disaggregated (uncached prompt >= --local-prefill-threshold tokens):
+  1. choose a decode worker D (KV headroom); D.Reserve -> destination blocks
+  2. choose a prefill worker P (kv cost); P.Prefill computes the prompt, writes its KV into
      D's blocks layer by layer and returns the first token once every write landed -> sent to the
      client at once. A failure here (before any token was sent) is retried once on another P.
   3. D.Decode admits the request into D's running batch and streams the rest; its first chunk
      confirms D has the KV, so P.Release drops P's hold.
-Local (agg mode, or a short prompt): D.Generate does prefill and decode on one worker.
+Local (agg mode, or a prompt whose part D has not cached is short): D.Generate does prefill and
+decode on one worker.
 
 Whatever ends the request early (client cancel or disconnect, deadline, a stop string seen by
 the router, a failed leg), every leg still open gets an Abort, sent in the background so that
@@ -29,7 +33,9 @@ import grpc
 from proto.pdserve.v1 import api_pb2, worker_pb2
 from router.errors import ServiceError
 from router.pool import WorkerHandle, WorkerPool
-from router.selection import choose_decode, choose_prefill, use_local_prefill
+from router.prefix_index import PrefixIndex
+from router.routing import Booking, RoutingConfig, Selector
+from router.selection import use_local_prefill
 
 log = logging.getLogger(__name__)
 
@@ -76,27 +82,32 @@ class _Legs:
 
 
 class Orchestrator:
-    def __init__(self, pool: WorkerPool, config: FlowConfig) -> None:
+    def __init__(self, pool: WorkerPool, config: FlowConfig, selector: Selector | None = None) -> None:
         self._pool = pool
         self.config = config
+        self.selector = selector or Selector(pool, PrefixIndex(), RoutingConfig())
         self._background: set[asyncio.Task] = set()
 
     async def run(self, request_id: str, prompt_ids: list[int], sampling: api_pb2.SamplingOptions,
                   deadline: float) -> AsyncIterator[Tokens]:
         """Stream the request's tokens; raises ServiceError. `deadline` is in loop.time() seconds."""
-        d = self._choose("agg" if self.config.mode == "agg" else "decode", choose_decode)
+        agg = self.config.mode == "agg"
+        max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else 16
+        booking = self.selector.choose("agg" if agg else "decode", prompt_ids, max_tokens, by_headroom=not agg)
+        d = booking.worker
         legs = _Legs(request_id)
-        d.inflight += 1
+        uncached = len(prompt_ids) - booking.overlap_tokens  # conditional disaggregation decides on this
         try:
-            if self.config.mode == "agg" or use_local_prefill(len(prompt_ids), self.config.local_prefill_threshold):
+            if agg or use_local_prefill(uncached, self.config.local_prefill_threshold):
                 flow = self._local(d, legs, prompt_ids, sampling, deadline)
             else:
                 flow = self._disagg(d, legs, prompt_ids, sampling, deadline)
             async with contextlib.aclosing(flow):
                 async for tokens in flow:
+                    booking.prefilled()
                     yield tokens
         finally:
-            d.inflight -= 1
+            booking.done()
             if not legs.finished and legs.open:
                 self._spawn(self._abort_legs(list(legs.open.values()), request_id))
 
@@ -104,12 +115,6 @@ class Orchestrator:
         """Wait for background aborts and releases (shutdown, tests)."""
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
-
-    def _choose(self, role: str, choose) -> WorkerHandle:
-        wid = choose(self._pool.loads(role))
-        if wid is None:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"no live {role} worker; retry later")
-        return self._pool.get(wid)
 
     async def _local(self, d: WorkerHandle, legs: _Legs, prompt_ids: list[int],
                      sampling: api_pb2.SamplingOptions, deadline: float) -> AsyncIterator[Tokens]:
@@ -159,13 +164,14 @@ class Orchestrator:
         error: ServiceError | None = None
         attempts = self.config.prefill_attempts
         for _ in range(attempts):  # every attempt happens before any token was sent
-            wid = choose_prefill(self._pool.loads("prefill"), exclude=frozenset(tried))
-            if wid is None:
+            try:
+                booking: Booking = self.selector.choose("prefill", prompt_ids, 0, exclude=frozenset(tried))
+            except ServiceError as e:
+                error = error or e
                 break
-            p = self._pool.get(wid)
+            p, wid = booking.worker, booking.worker.id
             tried.add(wid)
             legs.open[wid] = p
-            p.inflight += 1
             try:
                 return p, await _unary(p, "prefill", p.stub.Prefill, req, deadline)
             except ServiceError as e:
@@ -177,7 +183,7 @@ class Orchestrator:
                 log.warning("prefill of %s failed on %s, %s: %s", legs.request_id, wid,
                             "retrying" if len(tried) < attempts else "giving up", e.message)
             finally:
-                p.inflight -= 1
+                booking.done()
         raise error or ServiceError(grpc.StatusCode.UNAVAILABLE, "no live prefill worker; retry later")
 
     async def _stream(self, w: WorkerHandle, call, legs: _Legs, leg: str) -> AsyncIterator[Tokens]:

@@ -4,6 +4,10 @@ A background loop asks the registry who exists, connects to new workers (Info), 
 and polls Stats; a worker whose RPC fails is marked dead until a poll succeeds again (Ray restarts
 it and it re-registers, possibly at a new address). Loads combine the worker's last Stats with the
 requests the router has sent it since, so a burst does not all land on one worker.
+
+KV events: with a ``kv_sync`` (router/kv_sync.py) each poll also pulls the worker's KV events
+into the router's prefix index over gRPC, unless ``kv_events_pushed()`` says a Redis stream
+consumer is delivering them; a worker that goes away has its index entries dropped.
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ class WorkerHandle:
     stats: worker_pb2.WorkerStats = field(default_factory=worker_pb2.WorkerStats)
     alive: bool = True
     inflight: int = 0  # requests the router has on this worker now
+    booked_prefill_blocks: int = 0  # uncached prompt blocks of requests sent here, before their first token
+    booked_decode_blocks: int = 0   # prompt + max_tokens blocks of requests the router has here now
+    # our bookings when the last Stats arrived: what the report shows beyond them is other routers' load
+    booked_at_poll: int = 0
+    inflight_at_poll: int = 0
 
     @property
     def id(self) -> str:
@@ -44,8 +53,11 @@ class WorkerHandle:
 
 
 class WorkerPool:
-    def __init__(self, registry: Registry, poll_interval_s: float = 0.2, rpc_timeout_s: float = RPC_TIMEOUT_S) -> None:
+    def __init__(self, registry: Registry, poll_interval_s: float = 0.2, rpc_timeout_s: float = RPC_TIMEOUT_S,
+                 kv_sync=None) -> None:
         self._registry = registry
+        self.kv_sync = kv_sync
+        self.kv_events_pushed = lambda: False  # set by the router when a Redis consumer runs
         self._poll_s = poll_interval_s
         self._rpc_timeout_s = rpc_timeout_s
         self._workers: dict[str, WorkerHandle] = {}
@@ -88,6 +100,8 @@ class WorkerPool:
             return
         for wid in [w for w in self._workers if w not in endpoints or endpoints[w] != self._workers[w].endpoint]:
             await self._workers.pop(wid).channel.close()
+            if self.kv_sync is not None:
+                self.kv_sync.index.drop(wid)
         await asyncio.gather(*(self._connect(e) for e in endpoints.values() if e.id not in self._workers))
         await asyncio.gather(*(self._poll_stats(w) for w in list(self._workers.values())))
 
@@ -111,6 +125,10 @@ class WorkerPool:
     async def _poll_stats(self, w: WorkerHandle) -> None:
         try:
             w.stats = await w.stub.Stats(worker_pb2.StatsRequest(), timeout=self._rpc_timeout_s)
+            w.booked_at_poll, w.inflight_at_poll = w.booked_decode_blocks, w.inflight
             w.alive = True
         except grpc.RpcError:
             w.alive = False
+            return
+        if self.kv_sync is not None and not self.kv_events_pushed():
+            await self.kv_sync.poll(w)

@@ -61,6 +61,10 @@ def test_unknown_command_exit_2(argv, capsys):
     (["serve", "--chat-template", "/nonexistent/t.jinja"], "--chat-template"),
     (["serve", "--generation-config", "/nonexistent"], "--generation-config"),
     (["serve", "--mode", "both"], "--mode"),
+    (["serve", "--router-policy", "random"], "--router-policy"),
+    (["serve", "--router-temperature", "-1"], "--router-temperature"),
+    (["serve", "--registry", "http://h:1/0"], "--registry"),
+    (["router", "--registry", "redis://h:1/x"], "--registry"),
 ])
 def test_bad_serve_values_exit_2_before_anything_starts(argv, fragment, capsys):
     code, err = _run(argv, capsys)
@@ -94,8 +98,8 @@ def test_serve_flags_reach_the_worker_and_router_configs(monkeypatch, tmp_path):
 
     captured = {}
 
-    async def fake_serve(spec, router_config, ray_address):
-        captured.update(spec=spec, router=router_config)
+    async def fake_serve(spec, router_config, ray_address, n_routers=1):
+        captured.update(spec=spec, router=router_config, n_routers=n_routers)
 
     monkeypatch.setattr(serve_cmd, "_serve", fake_serve)
     template = tmp_path / "t.jinja"
@@ -103,8 +107,11 @@ def test_serve_flags_reach_the_worker_and_router_configs(monkeypatch, tmp_path):
     cli.main(["serve", "my-model", "--served-model-name", "smol", "--max-model-len", "1024",
               "--no-enable-prefix-caching", "--chat-template", str(template), "--hold-lease", "7",
               "--reservation-lease", "9", "--prefill-attempts", "3", "--transfer-timeout", "4",
-              "--request-timeout", "5", "--worker-rpc-timeout", "1.5"])
+              "--request-timeout", "5", "--worker-rpc-timeout", "1.5", "--registry", "redis://127.0.0.1:6390/2",
+              "--router-policy", "round-robin", "--router-temperature", "0.5", "--routers", "2"])
     spec, router = captured["spec"], captured["router"]
+    assert spec.registry_url == "redis://127.0.0.1:6390/2" and captured["n_routers"] == 2
+    assert (router.routing.policy, router.routing.temperature) == ("round-robin", 0.5)
     w = spec.worker_configs()[0]
     assert (w.model, w.served_model_name, w.max_model_len, w.enable_prefix_caching, w.transfer_timeout_s) == (
         "my-model", "smol", 1024, False, 4.0)

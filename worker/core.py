@@ -18,8 +18,10 @@ import grpc
 
 from engine.errors import EngineDeadError
 from engine.scheduler import CapacityError
+from proto.kv_events import encode_record
 from proto.pdserve.v1 import api_pb2, worker_pb2
 from proto.sampling import InvalidRequest, SamplingParams, check_prompt, from_wire
+from worker.kv_events import KvEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,12 @@ class WorkerCore:
         self.model_config = model_config
         self.kv_metadata = b""
         self._background: set[asyncio.Task] = set()
+        # KV events for routers' prefix indexes (worker/kv_events.py); engines without a block
+        # manager (test doubles) publish nothing
+        self.kv_events = KvEventPublisher(config.worker_id)
+        block_manager = getattr(getattr(engine, "engine", None), "block_manager", None)
+        if block_manager is not None:
+            self.kv_events.attach(block_manager)
 
     # -- checks -----------------------------------------------------------------------------------
     def check(self, prompt_ids: list[int], wire: api_pb2.SamplingOptions, **override) -> SamplingParams:
@@ -157,6 +165,17 @@ class WorkerCore:
                                       kv_blocks_held=held, running=s.running, waiting=s.waiting,
                                       prefix_cache_hit_tokens=getattr(s, "prefix_cache_hit_tokens", 0),
                                       leases=leases)
+
+    def kv_event_batch(self, epoch: str, after_seq: int, snapshot: bool = False) -> worker_pb2.KvEventsResponse:
+        """KV events after (epoch, after_seq), or a snapshot when they cannot be replayed."""
+        records = None if snapshot else self.kv_events.since(epoch, after_seq)
+        if records is not None:
+            return worker_pb2.KvEventsResponse(epoch=self.kv_events.epoch, records=[encode_record(r) for r in records],
+                                               seq=records[-1].seq if records else after_seq,
+                                               block_size=self.config.block_size)
+        snap = self.kv_events.snapshot()
+        return worker_pb2.KvEventsResponse(epoch=snap.epoch, is_snapshot=True, seq=snap.seq,
+                                           block_hashes=sorted(snap.block_hashes), block_size=self.config.block_size)
 
     def spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)

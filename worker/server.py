@@ -78,6 +78,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Abort(self, request, context):
         return worker_pb2.AbortResponse(found=await self.w.abort(request.request_id))
 
+    async def KvEvents(self, request, context):
+        return self.w.kv_event_batch(request.epoch, request.after_seq, request.snapshot)
+
 
 async def _fail(context, e: WorkerError):
     await context.abort(e.code, e.message)

@@ -162,3 +162,29 @@ class AbortResponse(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class KvEventsRequest(_message.Message):
+    __slots__ = ("epoch", "after_seq", "snapshot")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    after_seq: int
+    snapshot: bool
+    def __init__(self, epoch: _Optional[str] = ..., after_seq: _Optional[int] = ..., snapshot: _Optional[bool] = ...) -> None: ...
+
+class KvEventsResponse(_message.Message):
+    __slots__ = ("epoch", "records", "is_snapshot", "seq", "block_hashes", "block_size")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    IS_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    records: _containers.RepeatedScalarFieldContainer[str]
+    is_snapshot: bool
+    seq: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    def __init__(self, epoch: _Optional[str] = ..., records: _Optional[_Iterable[str]] = ..., is_snapshot: _Optional[bool] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...

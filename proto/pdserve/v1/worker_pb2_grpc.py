@@ -74,6 +74,11 @@ class WorkerStub:
                 request_serializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.KvEvents = channel.unary_unary(
+                '/pdserve.v1.Worker/KvEvents',
+                request_serializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.KvEventsRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.KvEventsResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -127,6 +132,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KvEvents(self, request, context):
+        """KV-cache events (proto/kv_events.py) after a position, or a snapshot to resync from.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +181,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.AbortRequest.FromString,
                     response_serializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.AbortResponse.SerializeToString,
+            ),
+            'KvEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.KvEvents,
+                    request_deserializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.KvEventsRequest.FromString,
+                    response_serializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.KvEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -387,6 +404,33 @@ class Worker:
             '/pdserve.v1.Worker/Abort',
             proto_dot_pdserve_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
             proto_dot_pdserve_dot_v1_dot_worker__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/KvEvents',
+            proto_dot_pdserve_dot_v1_dot_worker__pb2.KvEventsRequest.SerializeToString,
+            proto_dot_pdserve_dot_v1_dot_worker__pb2.KvEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,96 @@
+"""pdserve router: one more router replica on its own, discovering workers from a Redis registry.
+
+    pdserve router --registry redis://127.0.0.1:6379/0 --port 50061 --http-port 8001
+
+Also the routing options shared with `pdserve serve` (``routing_config``, ``check_registry``), checked
+before anything starts (a bad value is a one-line error naming the option, exit status 2).
+Several routers share nothing but the registry and the workers' event streams: each sees the
+load the others put on a worker through that worker's Stats (polled every 0.2 s), so its view of
+the others' in-flight load is at most one poll interval stale; its own dispatches count at once.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from engine.errors import UserError
+
+POLICY_HELP = "Worker choice: kv (prefix overlap against load) | load | round-robin."
+TEMPERATURE_HELP = "Softmax temperature of the kv cost (0: lowest cost, ties at random)."
+REGISTRY_HELP = "Worker registry, redis://HOST:PORT/DB (default: in-process, no Redis)."
+
+
+def routing_config(policy: str, temperature: float, overlap_weight: float = 1.0):
+    """RoutingConfig from the CLI options; raises UserError naming the option."""
+    from router.routing import RoutingConfig
+
+    try:
+        return RoutingConfig(policy=policy, temperature=temperature, overlap_weight=overlap_weight)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def check_registry(url: str) -> str | None:
+    """The --registry URL checked, or None when not given; raises UserError naming the option."""
+    if not url:
+        return None
+    from proto.registry import parse_url
+
+    try:
+        return parse_url(url)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def command(
+    registry: str = typer.Option(..., help=REGISTRY_HELP),
+    mode: str = typer.Option("disagg", help="disagg | agg (as the cluster was started)"),
+    host: str = typer.Option("127.0.0.1", help="Address the router binds to."),
+    port: int = typer.Option(50061, help="gRPC port."),
+    http_port: int = typer.Option(8001, help="OpenAI-compatible HTTP port (-1: off)."),
+    metrics_port: int = typer.Option(-1, help="Prometheus port (-1: off)."),
+    router_policy: str = typer.Option("kv", help=POLICY_HELP),
+    router_temperature: float = typer.Option(0.0, help=TEMPERATURE_HELP),
+    local_prefill_threshold: int = typer.Option(0, help="Prompts whose uncached part is shorter than this are "
+                                                        "prefilled on the decode worker."),
+    max_waiting: int = typer.Option(256, help="More waiting requests than this: RESOURCE_EXHAUSTED."),
+    drain_seconds: float = typer.Option(30.0, help="Grace period for in-flight requests at shutdown."),
+) -> None:
+    """pdserve router: one more router replica for a cluster that registers in Redis."""
+    import asyncio
+
+    from router.app import RouterConfig
+
+    url = check_registry(registry)
+    if url is None:
+        raise UserError("--registry is required: pdserve router discovers workers from Redis")
+    if mode not in ("disagg", "agg"):
+        raise UserError(f"--mode must be disagg or agg, got {mode!r}")
+    config = RouterConfig(host=host, port=port, http_port=None if http_port < 0 else http_port,
+                          metrics_port=None if metrics_port < 0 else metrics_port, mode=mode,
+                          local_prefill_threshold=local_prefill_threshold, max_waiting=max_waiting,
+                          drain_grace_s=drain_seconds, routing=routing_config(router_policy, router_temperature))
+    asyncio.run(_run(url, config))
+
+
+async def _run(url: str, config) -> None:
+    import asyncio
+    import signal
+
+    from router.app import Router
+    from router.redis_registry import RedisRegistry
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    router = Router(RedisRegistry(url), config)
+    try:
+        ep = await router.start()
+        print(f"pdserve router: grpc {ep.grpc}" + (f", http http://{ep.http}/v1" if ep.http else "")
+              + f", registry {url} ({len(router.pool.workers())} workers)", flush=True)
+        await stop.wait()
+        print("pdserve router: draining...", flush=True)
+    finally:
+        await router.stop()
+        print("pdserve router: stopped", flush=True)

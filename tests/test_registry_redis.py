@@ -1,0 +1,84 @@
+"""The Redis registry against a real redis-server (no Ray, no model): registration with a TTL
+renewed by the heartbeat, deregistration on drain, the router's watched view, and Redis going
+away and coming back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from proto.registry import WorkerRegistration, parse_url
+from router.redis_registry import RedisRegistry
+from worker.registration import RedisRegistration
+from tests.redis_server import RedisServer
+
+
+def _reg(i: int) -> WorkerRegistration:
+    return WorkerRegistration(f"agg-{i}", "agg", f"127.0.0.1:{5000 + i}", "smollm2", "fp32/16", 256)
+
+
+async def _until(pred, timeout_s: float) -> float:
+    """Seconds until pred() holds; fails after timeout_s."""
+    start = time.monotonic()
+    while not pred():
+        if time.monotonic() - start > timeout_s:
+            pytest.fail(f"condition not met in {timeout_s}s")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
+def test_workers_register_leave_on_drain_and_expire_without_heartbeat(redis_client, redis_server):
+    async def run():
+        registry = RedisRegistry(redis_server.url, resync_s=60)  # only notifications can update it in time
+        await registry.start()
+        a, b = RedisRegistration(redis_server.url, _reg(0), ttl_s=1.0), RedisRegistration(redis_server.url, _reg(1),
+                                                                                          ttl_s=1.0)
+        await a.start()
+        await b.start()
+        await _until(lambda: len(registry.registrations()) == 2, 2.0)
+        assert registry.registrations()[0] == _reg(0) and registry.connected
+        assert 0 < redis_client.pttl("pdserve:worker:agg-0") <= 1000
+        await asyncio.sleep(1.5)  # past one TTL: the heartbeat keeps both
+        assert registry.connected
+        assert len(await registry.list_workers()) == 2
+        b.paused = True  # stops heartbeating
+        gone_after = await _until(lambda: [r.id for r in registry.registrations()] == ["agg-0"], 3.0)
+        assert gone_after <= 1.0 + 0.5  # the TTL plus Redis's expiry cycle
+        await a.stop()  # drain: deregistered at once
+        await _until(lambda: registry.registrations() == [], 0.5)
+        await b.stop()
+        await registry.close()
+
+    asyncio.run(run())
+
+
+def test_redis_down_keeps_the_last_view_and_recovers():
+    async def run(server: RedisServer):
+        registry = RedisRegistry(server.url, resync_s=60)
+        await registry.start()
+        worker = RedisRegistration(server.url, _reg(0), ttl_s=0.6)
+        await worker.start()
+        await _until(lambda: len(registry.registrations()) == 1, 2.0)
+        server.kill()
+        await _until(lambda: not registry.connected, 3.0)
+        await asyncio.sleep(1.0)  # past the TTL: the view must not forget the worker
+        assert [w.id for w in await registry.list_workers()] == ["agg-0"]
+        server.start()  # empty: no persistence
+        await _until(lambda: registry.connected, 5.0)
+        await asyncio.sleep(0.5)  # the heartbeat has re-registered it
+        registry_keys = await registry.client.keys("pdserve:worker:*")
+        assert registry_keys == [b"pdserve:worker:agg-0"]
+        assert [w.id for w in await registry.list_workers()] == ["agg-0"]
+        await worker.stop()
+        await registry.close()
+
+    with RedisServer() as server:
+        asyncio.run(run(server))
+
+
+@pytest.mark.parametrize("url", ["http://x:1/0", "redis://", "redis://h:1/x"])
+def test_bad_registry_url_names_the_option(url):
+    with pytest.raises(ValueError, match="--registry"):
+        parse_url(url)
