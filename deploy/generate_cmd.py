@@ -16,6 +16,7 @@ from typing import Optional
 import typer
 
 from engine.errors import UserError
+from engine.quantization import check_kv_cache_dtype, check_quantization
 from proto.sampling import InvalidRequest, SamplingParams
 
 
@@ -33,8 +34,12 @@ def command(
                                                 help='JSONL file, one {"prompt": "..."} per line.'),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object per prompt."),
     url: Optional[str] = typer.Option(None, "--url", help="Send the prompts to a running pdserve router instead."),
+    quantization: str = typer.Option("none", "--quantization", help="Linear method: none, int8 or fp8."),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="KV-cache dtype: auto or fp8_e4m3."),
 ) -> None:
     """Generate completions offline: all prompts run as one batch through the paged-cache forward."""
+    check_quantization(quantization)
+    check_kv_cache_dtype(kv_cache_dtype)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens)
     prompts = _read_prompts(prompt, prompts_file)
     if url is not None:  # the streaming gRPC client (router/client.py, no torch)
@@ -46,7 +51,7 @@ def command(
         except ConnectionError as e:
             raise UserError(str(e)) from None
         return
-    outputs = _generate_offline(model, prompts, params, chat)
+    outputs = _generate_offline(model, prompts, params, chat, quantization, kv_cache_dtype)
     for out in outputs:
         if json_output:
             print(json.dumps({"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids,
@@ -55,10 +60,11 @@ def command(
             print(out.text, flush=True)
 
 
-def _generate_offline(model: str, prompts: list[str], params: SamplingParams, chat: bool):
+def _generate_offline(model: str, prompts: list[str], params: SamplingParams, chat: bool,
+                      quantization: str = "none", kv_cache_dtype: str = "auto"):
     from engine.llm import LLM
 
-    return LLM(model).generate(prompts, params, chat=chat)
+    return LLM(model, quantization=quantization, kv_cache_dtype=kv_cache_dtype).generate(prompts, params, chat=chat)
 
 
 def _read_prompts(prompt: str | None, prompts_file: Path | None) -> list[str]:

@@ -73,6 +73,8 @@ class EngineConfig:
     """model: a name ("smollm2-135m-instruct") or an HF-layout directory.
     dtype: "float32" | "bfloat16" | "float16"; device: "cpu" or "cuda[:i]".
     num_threads: torch intra-op threads for this engine (None = leave torch's setting).
+    quantization: the decoder's linear method, "none" | "int8" | "fp8" (engine/quantization).
+    kv_cache_dtype: "auto" (= dtype) | "fp8_e4m3" (calibrated scales stored beside the model).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -81,7 +83,15 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     num_threads: int | None = None
+    quantization: str = "none"
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        from engine.quantization import KV_CACHE_DTYPES, QUANTIZATION_METHODS
+
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

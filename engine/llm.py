@@ -64,9 +64,10 @@ class LLM:
     def __init__(self, model: str | os.PathLike[str] = DEFAULT_MODEL, *, block_size: int = 16,
                  num_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
                  dtype: torch.dtype = torch.float32, device: str = "cpu", max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 8192) -> None:
+                 max_num_batched_tokens: int = 8192, quantization: str = "none", kv_cache_dtype: str = "auto") -> None:
         self.runner = ModelRunner(model, block_size=block_size, num_blocks=num_blocks,
-                                  kv_cache_memory_bytes=kv_cache_memory_bytes, dtype=dtype, device=device)
+                                  kv_cache_memory_bytes=kv_cache_memory_bytes, dtype=dtype, device=device,
+                                  quantization=quantization, kv_cache_dtype=kv_cache_dtype)
         self.model_config = self.runner.model_config
         self.tokenizer = load_tokenizer(self.model_config.path)
         self.sampler = Sampler()

@@ -55,7 +55,8 @@ class LLMEngine:
         self.config = config
         self.runner = runner or ModelRunner(config.model, block_size=cache.block_size, num_blocks=cache.num_blocks,
                                             kv_cache_memory_bytes=cache.resolved_memory_bytes(),
-                                            dtype=getattr(torch, config.dtype), device=config.device)
+                                            dtype=getattr(torch, config.dtype), device=config.device,
+                                            quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype)
         self.model_config = self.runner.model_config
         self.tokenizer = tokenizer or load_tokenizer(self.model_config.path)
         num_blocks = self.runner.num_blocks

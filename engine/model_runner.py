@@ -18,6 +18,7 @@ import torch
 from engine.batch import SeqChunk
 from engine.kv_cache import KVCacheSpec, PagedKVCache
 from engine.model_config import ModelConfig
+from engine.errors import UserError
 from engine.model_loader import resolve_model
 from engine.quantization import check_kv_cache_dtype, check_quantization
 from engine.quantization.apply import apply_quantization
@@ -60,7 +61,10 @@ class ModelRunner:
         log.info("attention backend: %s (asked for %s)", self.ops.name, attention_backend)
         self.quantization = check_quantization(quantization)
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
+        if kv_cache_dtype != "auto":
+            raise UserError(f"--kv-cache-dtype {kv_cache_dtype}: not available yet")
         self.model = load_model(self.model_config, dtype, self.device)
+        # After loading and before the cache: the linears' kernels are timed here, once.
         apply_quantization(self.model, quantization)
         cfg = self.model_config
         if num_blocks is None:

@@ -134,6 +134,8 @@ class LlamaForCausalLM(nn.Module):
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)  # plain attribute: not a weight
+        # The LM head's linear method, set at load by engine.quantization (None: F.linear on the weight).
+        self.head_method: nn.Module | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
                 meta: AttentionMetadata, logits_indices: torch.Tensor, ops: AttentionBackend,
@@ -149,6 +151,8 @@ class LlamaForCausalLM(nn.Module):
             if layer_hook is not None:
                 layer_hook(l)
         x = self.model.norm(x.index_select(0, logits_indices))
+        if self.head_method is not None:
+            return self.head_method(x).float()
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head).float()
 

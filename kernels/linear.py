@@ -1,0 +1,292 @@
+"""Linear methods of the decoder: how ``y = x @ W^T + b`` runs, chosen once at load by measurement.
+
+Every method is an ``nn.Module`` taking ``x [..., in_features]`` in the model dtype and returning
+``[..., out_features]`` in the same dtype. Each holds its weight in one storage format and one or
+more *kernels* (ways to compute the product from that format); at construction it times every
+kernel on this machine at three token counts (``BUCKETS``: decode at batch 1, decode at batch 16,
+a 512-token prefill chunk) and keeps the fastest for each, so a forward of ``M`` rows runs the
+kernel chosen for the bucket ``M`` falls in. Timings are cached per (method, shape, dtype,
+threads), so 30 layers of one shape are measured once.
+
+- ``DenseLinear`` (``--quantization none``): the model dtype. Kernels: ``F.linear``; oneDNN with
+  the weight prepacked once (``torch.ops.mkldnn._linear_pointwise``, bf16/fp16); MKL prepacked
+  (``torch.ops.mkl._mkl_linear``, fp32).
+- ``Int8Linear`` (``int8``): per-output-channel symmetric int8 weights, ``q = round(W / s)``,
+  ``s = amax(|W_row|) / 127``. Kernels: W8A16 ``torch._weight_int8pack_mm`` (activations stay in
+  the model dtype); W8A8 with activations quantized dynamically per token (``s_x = amax(|x_row|) /
+  127``) and ``torch._int_mm`` (int32 accumulation, oneDNN/VNNI on x86), rescaled by ``s_x s_w``.
+- ``Fp8Linear`` (``fp8``): E4M3 weights with per-output-channel scales ``s = amax(|W_row|) / 448``
+  (or a checkpoint's ``weight_scale``), activations quantized dynamically per token to E4M3 (W8A8).
+  Kernels: ``torch._scaled_mm`` (fp8 x fp8, per-row/per-column fp32 scales); and an exact emulation
+  for CPUs whose ``_scaled_mm`` is slow: the E4M3 values held in bf16 (every E4M3 value is a bf16
+  value), a bf16 GEMM with fp32 accumulation, then the scales — the same products and sums as
+  ``_scaled_mm``, but the weight takes bf16's two bytes per value instead of one.
+
+References: Dettmers et al., "LLM.int8()" (2022) and Xiao et al., "SmoothQuant" (2023) for
+per-token x per-channel W8A8; Micikevicius et al., "FP8 Formats for Deep Learning" (2022) for E4M3.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BUCKETS = (1, 16, 512)
+"""Token counts the kernels are timed at; a forward of M rows uses the choice for bucket_index(M)."""
+
+INT8_MAX = 127.0
+FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+
+Kernel = Callable[[torch.Tensor], torch.Tensor]  # x [M, K] -> y [M, N], no bias
+_choice_cache: dict[tuple, tuple[str, str, str]] = {}
+
+
+def bucket_index(num_rows: int) -> int:
+    """0 for decode-sized batches (<= 4 rows), 1 up to 128 rows, 2 beyond (prefill)."""
+    return 0 if num_rows <= 4 else 1 if num_rows <= 128 else 2
+
+
+class MeasuredLinear(nn.Module):
+    """Base of the linear methods: candidate kernels, timed once, the fastest per bucket kept.
+
+    Subclasses set ``self.in_features``, ``self.out_features``, ``self.bias`` and the weight
+    buffers, then call ``self._choose(kernels, dtype)``.
+    """
+
+    method = ""
+
+    def _choose(self, kernels: dict[str, Kernel], dtype: torch.dtype, device: torch.device) -> None:
+        self._kernels = kernels
+        key = (self.method, self.out_features, self.in_features, dtype, device.type, torch.get_num_threads(),
+               tuple(kernels))
+        if key not in _choice_cache:
+            _choice_cache[key] = tuple(_fastest(kernels, self.in_features, dtype, device, m) for m in BUCKETS)
+        self.kernel_names: tuple[str, str, str] = _choice_cache[key]
+        self._chosen = tuple(kernels[name] for name in self.kernel_names)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        y = self._chosen[bucket_index(x2.shape[0])](x2)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def run_kernel(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """One named kernel on x [M, K] (tests compare every kernel, not only the chosen ones)."""
+        y = self._kernels[name](x)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def kernel_choices(self) -> tuple[str, ...]:
+        return tuple(self._kernels)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"kernels(1/16/512 rows)={'/'.join(self.kernel_names)}")
+
+
+def _fastest(kernels: dict[str, Kernel], in_features: int, dtype: torch.dtype, device: torch.device,
+             rows: int, rounds: int = 3, budget_s: float = 0.002) -> str:
+    """The kernel with the least best-of-``rounds`` time on a random [rows, in_features] input.
+
+    One warm-up call each (which also checks the kernel runs here: one that raises is never
+    chosen); kernels over 3x slower than the fastest warm-up are dropped (CPU ``_scaled_mm`` is
+    ~30x slower than bf16); the rest are timed round-robin, each round about ``budget_s`` per
+    kernel, and each keeps its minimum, which other processes on a busy machine inflate least.
+    """
+    if len(kernels) == 1:
+        return next(iter(kernels))
+    x = torch.randn(rows, in_features, device=device).to(dtype)
+    best: dict[str, float] = {}
+    with torch.inference_mode():
+        for name, kernel in kernels.items():
+            try:
+                best[name] = _time(kernel, x, 1, device)
+            except (RuntimeError, NotImplementedError):
+                continue
+        if not best:
+            raise RuntimeError(f"no linear kernel runs here for {dtype} on {device}: tried {list(kernels)}")
+        fastest = min(best.values())
+        best = {name: t for name, t in best.items() if t <= 3 * fastest}
+        reps = max(1, min(10, int(budget_s / max(fastest, 1e-6))))
+        for _ in range(rounds):
+            for name in best:
+                best[name] = min(best[name], _time(kernels[name], x, reps, device))
+    return min(best, key=best.__getitem__)
+
+
+def _time(kernel: Kernel, x: torch.Tensor, reps: int, device: torch.device) -> float:
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        kernel(x)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / reps
+
+
+# -- the model dtype ------------------------------------------------------------------------------
+class DenseLinear(MeasuredLinear):
+    """The unquantized linear: weight [N, K] in the model dtype, the fastest kernel measured."""
+
+    method = "none"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.detach(), persistent=False)
+        self.bias = None if bias is None else bias.detach()
+        self._choose(self._candidates(), weight.dtype, weight.device)
+
+    def _candidates(self) -> dict[str, Kernel]:
+        w = self.weight
+        kernels: dict[str, Kernel] = {"F.linear": lambda x: F.linear(x, w)}
+        if w.device.type != "cpu":
+            return kernels
+        if w.dtype in (torch.bfloat16, torch.float16) and torch.backends.mkldnn.is_available():
+            try:  # oneDNN's blocked weight layout, packed once (the batch-size hint only tunes the packing)
+                packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+                kernels["onednn_packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            except (RuntimeError, AttributeError):
+                pass
+        if w.dtype == torch.float32 and torch.backends.mkl.is_available():
+            try:
+                packed32 = torch.ops.mkl._mkl_reorder_linear_weight(w, 1)
+                kernels["mkl_packed"] = lambda x: torch.ops.mkl._mkl_linear(x, packed32, w, None, x.shape[0])
+            except (RuntimeError, AttributeError):
+                pass
+        return kernels
+
+
+# -- int8 -----------------------------------------------------------------------------------------
+def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (q int8 [N, K], scale float32 [N]) with ``weight ~= q * scale[:, None]``.
+
+    Symmetric, per output channel: scale = amax(|row|) / 127 (an all-zero row gets scale 1), so
+    ``|weight - q * scale| <= scale / 2`` elementwise.
+    """
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / INT8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q int8 [M, K], scale float32 [M, 1]): dynamic, symmetric, per row."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12) / INT8_MAX
+    return torch.round(xf / scale).to(torch.int8), scale
+
+
+class Int8Linear(MeasuredLinear):
+    """Per-output-channel symmetric int8 weights (1 byte a value), W8A16 or W8A8 kernel measured."""
+
+    method = "int8"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        q, scale = quantize_int8_per_channel(weight)
+        self.register_buffer("qweight", q, persistent=False)
+        self.register_buffer("weight_scale", scale, persistent=False)
+        self.bias = None if bias is None else bias.detach()
+        self._choose(self._candidates(), self.dtype, q.device)
+
+    def _candidates(self) -> dict[str, Kernel]:
+        q, s, dtype = self.qweight, self.weight_scale, self.dtype
+        s_model = s.to(dtype)         # _weight_int8pack_mm wants the scales in the activation dtype
+        s_row = s[None, :]
+
+        def w8a16(x: torch.Tensor) -> torch.Tensor:
+            return torch._weight_int8pack_mm(x, q, s_model)
+
+        def w8a8(x: torch.Tensor) -> torch.Tensor:
+            xq, xs = quantize_int8_per_token(x)
+            return (torch._int_mm(xq, q.t()) * (xs * s_row)).to(dtype)
+
+        return {"w8a16_int8pack": w8a16, "w8a8_int_mm": w8a8}
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """[N, K] float32: what the int8 values and scales represent."""
+        return self.qweight.float() * self.weight_scale[:, None]
+
+
+# -- fp8 ------------------------------------------------------------------------------------------
+def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (q float8_e4m3fn [N, K], scale float32 [N]), scale = amax(|row|) / 448.
+
+    Each value is rounded to the nearest E4M3 value (3 mantissa bits): in units of the row's
+    scale the error is at most ``max(|v| * 2**-4, 2**-10)`` (half an ulp; 2**-10 below the
+    smallest normal, 2**-6).
+    """
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / FP8_E4M3_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return quantize_fp8(w, scale[:, None]), scale
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale rounded to E4M3, saturated at +-448 (scale broadcasts against x)."""
+    return (x.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q float8_e4m3fn [M, K], scale float32 [M, 1]): dynamic, per row."""
+    scale = x.float().abs().amax(dim=1, keepdim=True).clamp_(min=1e-12) / FP8_E4M3_MAX
+    return quantize_fp8(x, scale), scale
+
+
+class Fp8Linear(MeasuredLinear):
+    """W8A8 FP8: E4M3 weights with per-output-channel scales, per-token dynamic E4M3 activations.
+
+    weight_scale: a checkpoint's scales ([N], [N, 1] or a scalar) when ``weight`` is already
+    float8_e4m3fn; else computed here from the full-precision weight.
+    """
+
+    method = "fp8"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 weight_scale: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.dtype = dtype
+        if weight.dtype == torch.float8_e4m3fn:
+            if weight_scale is None:
+                raise ValueError("an float8_e4m3fn weight needs its weight_scale")
+            q, scale = weight, weight_scale.float().reshape(-1).expand(self.out_features).contiguous()
+        else:
+            q, scale = quantize_fp8_per_channel(weight)
+        self.register_buffer("qweight", q, persistent=False)
+        self.register_buffer("weight_scale", scale, persistent=False)
+        self.bias = None if bias is None else bias.detach().to(dtype)
+        self._choose(self._candidates(), dtype, q.device)
+
+    def _candidates(self) -> dict[str, Kernel]:
+        q, s, dtype = self.qweight, self.weight_scale, self.dtype
+        s_row = s[None, :]
+        kernels: dict[str, Kernel] = {}
+
+        def scaled_mm(x: torch.Tensor) -> torch.Tensor:
+            xq, xs = quantize_fp8_per_token(x)
+            return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s_row, out_dtype=dtype)
+
+        kernels["scaled_mm"] = scaled_mm
+        if q.device.type == "cpu":
+            # E4M3 values are exact in bf16; the GEMM then multiplies and sums what _scaled_mm would.
+            emulated = DenseLinear(q.to(torch.bfloat16), None)
+
+            def emulated_bf16(x: torch.Tensor) -> torch.Tensor:
+                xq, xs = quantize_fp8_per_token(x)
+                return (emulated(xq.to(torch.bfloat16)).float() * (xs * s_row)).to(dtype)
+
+            kernels["emulated_bf16"] = emulated_bf16
+        return kernels
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """[N, K] float32: what the E4M3 values and scales represent."""
+        return self.qweight.float() * self.weight_scale[:, None]
