@@ -26,7 +26,7 @@ from kv_transfer.leases import LeaseTable
 from prefill_worker.kv_push import KVPusher, TransferFailed
 from proto.pdserve.v1 import worker_pb2
 from proto.stop import token_stop_reason
-from worker.core import WorkerCore, WorkerError, usage_pb
+from worker.core import WorkerCore, WorkerError, logprob_pb, usage_pb
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class PrefillWorker(WorkerCore):
     async def prefill(self, req: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
         rid, ids = req.request_id, list(req.prompt_token_ids)
         params = self.check(ids, req.sampling)
-        first_params = self.check(ids, req.sampling, max_tokens=1)
+        first_params = self.check(ids, req.sampling, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         peer = self._peer(req.destination.kv_metadata)
         self.pusher.begin(rid, peer, list(req.destination.block_ids))
         done = False
@@ -74,13 +74,17 @@ class PrefillWorker(WorkerCore):
             if not done:  # cancelled, failed: nothing may stay held or in flight
                 self.spawn(self._abort_push(rid))
         first = final.new_token_ids[0]
-        return worker_pb2.PrefillResponse(first_token_id=first, finish_reason=self._finish_reason(first, ids, params),
-                                          usage=usage_pb(final.usage), kv_bytes=nbytes, transfer_seconds=seconds)
+        response = worker_pb2.PrefillResponse(first_token_id=first,
+                                              finish_reason=self._finish_reason(first, ids, params),
+                                              usage=usage_pb(final.usage), kv_bytes=nbytes, transfer_seconds=seconds)
+        if final.logprobs:
+            response.first_logprob.CopyFrom(logprob_pb(final.logprobs[0]))
+        return response
 
     def _finish_reason(self, token: int, prompt_ids: list[int], params) -> str:
         """Whether the first token already ends the request (as the engine would decide)."""
         return token_stop_reason(token, 1, params, self.model_config.eos_token_ids, len(prompt_ids) + 1,
-                                 self.model_config.max_model_len) or ""
+                                 self.max_model_len) or ""
 
     async def release(self, request_id: str) -> None:
         if self.holds.confirm(request_id) is not None:

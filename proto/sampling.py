@@ -131,7 +131,10 @@ def from_wire(wire: api_pb2.SamplingOptions, **override) -> SamplingParams:
                   top_p=wire.top_p if wire.HasField("top_p") else 1.0, top_k=wire.top_k,
                   seed=wire.seed if wire.HasField("seed") else None,
                   max_tokens=wire.max_tokens if wire.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
-                  stop=tuple(wire.stop), stop_token_ids=tuple(wire.stop_token_ids), ignore_eos=wire.ignore_eos)
+                  stop=tuple(wire.stop), stop_token_ids=tuple(wire.stop_token_ids), ignore_eos=wire.ignore_eos,
+                  logprobs=wire.logprobs if wire.HasField("logprobs") else None, min_tokens=wire.min_tokens,
+                  presence_penalty=wire.presence_penalty, frequency_penalty=wire.frequency_penalty,
+                  repetition_penalty=wire.repetition_penalty if wire.HasField("repetition_penalty") else 1.0)
     return SamplingParams(**(kwargs | override))
 
 
@@ -139,7 +142,12 @@ def to_wire(params: SamplingParams) -> api_pb2.SamplingOptions:
     """The wire message for validated params, every field explicit (what the router sends the workers)."""
     w = api_pb2.SamplingOptions(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                 max_tokens=params.max_tokens, stop=list(params.stop),
-                                stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos)
+                                stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+                                min_tokens=params.min_tokens, presence_penalty=params.presence_penalty,
+                                frequency_penalty=params.frequency_penalty,
+                                repetition_penalty=params.repetition_penalty)
     if params.seed is not None:
         w.seed = params.seed
+    if params.logprobs is not None:
+        w.logprobs = params.logprobs
     return w

@@ -123,7 +123,7 @@ class Router:
         return self.endpoints
 
     async def _start_http(self) -> str:
-        config = uvicorn.Config(build_app(self.service), host=self.config.host, port=self.config.http_port,
+        config = uvicorn.Config(build_app(self.service, self.metrics.registry), host=self.config.host, port=self.config.http_port,
                                 log_level="warning", lifespan="off")
         self._uvicorn = uvicorn.Server(config)
         self._http_task = asyncio.create_task(self._uvicorn.serve())

@@ -6,12 +6,15 @@ task; the orchestrator's cleanup then aborts every open leg on the workers.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto.pdserve.v1 import api_pb2, api_pb2_grpc
 from proto.sampling import InvalidRequest, from_wire
+from router import fanout
 from router.errors import ServiceError
 from router.service import RouterService, with_defaults
 from router.tokenizer import ChatMessage
@@ -25,12 +28,31 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
         self._status = status_fn
 
     async def Generate(self, request: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        """n completions (index on each message), best_of ranked by cumulative logprob, echo,
+        logprobs per token; every option of the HTTP API."""
         try:
             sampling = from_wire(with_defaults(request.sampling, self._svc.generation_defaults))
+            n = request.n or 1
+            count = fanout.check_n(n, request.best_of or None, stream=False)
+            if count > n and sampling.logprobs is None:  # ranking needs each token's logprob
+                sampling = replace(sampling, logprobs=0)
             prepared = self._svc.prepare(request.model, sampling, request_id=request.request_id, **_input(request))
-            async for d in self._svc.stream(prepared, context.time_remaining()):
-                msg = api_pb2.GenerateResponse(request_id=prepared.request_id, token_ids=d.token_ids, text=d.text,
-                                               finish_reason=d.finish_reason or "")
+            echo = self._echo(request, prepared) if request.echo else ""
+            stream = fanout.stream_choices(self._svc, fanout.choices(prepared, count), context.time_remaining())
+            if count > n:
+                per_choice: list[list] = [[] for _ in range(count)]
+                async for i, d in stream:
+                    per_choice[i].append(d)
+                ranked = fanout.best_n(per_choice, n)
+                stream = _replay(ranked)
+            started: set[int] = set()
+            keep_logprobs = request.sampling.HasField("logprobs")
+            async for i, d in stream:
+                text = (echo if i not in started else "") + d.text
+                started.add(i)
+                msg = api_pb2.GenerateResponse(request_id=prepared.request_id, token_ids=d.token_ids, text=text,
+                                               finish_reason=d.finish_reason or "", index=i,
+                                               logprobs=d.logprobs if keep_logprobs else [])
                 if d.ttft_s is not None:
                     msg.ttft_seconds = d.ttft_s
                 if d.usage is not None:
@@ -40,6 +62,11 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except ServiceError as e:
             await context.abort(e.code, e.message)
+
+    def _echo(self, request: api_pb2.GenerateRequest, prepared) -> str:
+        if request.WhichOneof("input") == "prompt":
+            return request.prompt
+        return self._svc.tokenizer.decode(prepared.prompt_ids, skip_special_tokens=False)
 
     async def Tokenize(self, request: api_pb2.TokenizeRequest, context):
         try:
@@ -60,6 +87,12 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
 
     async def ClusterStatus(self, request, context):
         return self._status()
+
+
+async def _replay(per_choice: list[list]):
+    for i, deltas in enumerate(per_choice):
+        for d in deltas:
+            yield i, d
 
 
 def _input(request: api_pb2.GenerateRequest) -> dict:

@@ -1,78 +1,37 @@
-"""The OpenAI-compatible HTTP API on FastAPI: /v1/completions, /v1/chat/completions, /v1/models.
+"""The OpenAI-compatible HTTP API on FastAPI (vLLM's routes).
+
+    POST /v1/completions, /v1/chat/completions     (router/openai_protocol.py: fields and shapes)
+    GET  /v1/models, /health, /version, /metrics   (/metrics: the router's Prometheus series)
+    POST /tokenize, /detokenize
 
 Same service as the gRPC API. Errors are OpenAI-style JSON bodies with the HTTP equivalent of the
-gRPC status (400 naming the field, 429, 503, 504). Streaming uses server-sent events ending with
-`data: [DONE]`; with stream_options.include_usage a last chunk carries the usage. A client that
-disconnects cancels its request, which aborts every open leg on the workers.
+gRPC status (400 naming the field, 429, 503, 504); an unknown field is a 400 naming it. Streaming
+uses server-sent events ending with `data: [DONE]`; with stream_options.include_usage one last
+chunk carries the usage of all n choices. A client that disconnects cancels its request, which
+aborts every open leg on the workers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
-from typing import Any, AsyncIterator, Literal
+from importlib import metadata
+from typing import AsyncIterator, Literal
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from proto.sampling import DEFAULT_MAX_TOKENS, InvalidRequest, SamplingParams
+from proto.sampling import InvalidRequest
+from router import fanout
 from router.errors import ServiceError
+from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, DecodeTokensRequest, Shape,
+                                    TokenizeRequest, _SamplingFields, invalid)
 from router.service import Delta, Prepared, RouterService
-from router.tokenizer import ChatMessage
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str = ""
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    top_k: int | None = Field(default=None, description="vLLM extension: keep the k most likely tokens (0 = all)")
-    ignore_eos: bool = Field(default=False, description="vLLM extension: generate past EOS until max_tokens")
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = 1
-    timeout: float | None = Field(default=None, description="pdserve extension: deadline in seconds")
-
-    def sampling(self, max_tokens: int | None, defaults: dict) -> SamplingParams:
-        """Validated params; raises InvalidRequest naming the field (answered as a 400).
-        defaults: values for unset fields (--generation-config), else the OpenAI defaults."""
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-
-        def pick(name: str, value, fallback):
-            return value if value is not None else defaults.get(name, fallback)
-
-        return SamplingParams(temperature=pick("temperature", self.temperature, 1.0),
-                              top_p=pick("top_p", self.top_p, 1.0), top_k=pick("top_k", self.top_k, 0), seed=self.seed,
-                              max_tokens=pick("max_tokens", max_tokens, DEFAULT_MAX_TOKENS), stop=stop,
-                              ignore_eos=self.ignore_eos)
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int]
-
-
-class ChatMessageIn(BaseModel):
-    role: str
-    content: str
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessageIn]
-    max_completion_tokens: int | None = None
-
-
-def build_app(service: RouterService) -> FastAPI:
+def build_app(service: RouterService, metrics_registry=None) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
 
     @app.exception_handler(ServiceError)
@@ -87,34 +46,70 @@ def build_app(service: RouterService) -> FastAPI:
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
         field = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or "body"
-        return _error(ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {first.get('msg', 'invalid')}"),
-                      param=field)
+        msg = "not supported by pdserve" if first.get("type") == "extra_forbidden" else first.get("msg", "invalid")
+        return _error(ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {msg}"), param=field)
 
     @app.get("/health")
     async def health() -> dict:
         service.model_id  # raises UNAVAILABLE without a live worker
         return {"status": "ok", **getattr(service, "health_details", dict)()}
 
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": _version()}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        body = generate_latest(metrics_registry) if metrics_registry is not None else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": service.model_id, "object": "model", "created": 0,
                                             "owned_by": "pdserve", "max_model_len": service.max_model_len}]}
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        if (body.prompt is None) == (body.messages is None):
+            raise invalid("prompt", "give exactly one of prompt or messages")
+        chat = None
+        if body.messages is not None:
+            chat = ChatCompletionRequest(messages=body.messages).chat()
+        _, ids = service.tokenize(body.model, body.prompt, chat, body.add_generation_prompt)
+        return {"count": len(ids), "max_model_len": service.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DecodeTokensRequest) -> dict:
+        service.check_model(body.model)
+        return {"prompt": service.tokenizer.decode(body.tokens)}
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prepared = _prepare(service, body, body.max_tokens, **_prompt_input(body.prompt))
-        return await _respond(service, body, prepared, request, chat=False)
+        inputs = _prompt_input(body.prompt)
+        prepared = _prepare(service, body, body.max_tokens, body.engine_logprobs(), **inputs)
+        echo = ""
+        if body.echo:
+            echo = inputs.get("prompt") or service.tokenizer.decode(prepared.prompt_ids, skip_special_tokens=False)
+        return await _respond(service, body, prepared, request, chat=False, echo=echo,
+                              want_logprobs=body.logprobs is not None, best_of=body.best_of)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        chat = [ChatMessage(m.role, m.content) for m in body.messages]
-        if not chat:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "messages: must not be empty")
-        prepared = _prepare(service, body, max_tokens, chat=chat)
-        return await _respond(service, body, prepared, request, chat=True)
+        prepared = _prepare(service, body, max_tokens, body.engine_logprobs(), chat=body.chat(),
+                            add_generation_prompt=body.add_generation_prompt)
+        return await _respond(service, body, prepared, request, chat=True, want_logprobs=body.logprobs)
 
     return app
+
+
+def _version() -> str:
+    try:
+        return metadata.version("pdserve")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
 
 
 def _prompt_input(prompt: str | list) -> dict:
@@ -123,19 +118,26 @@ def _prompt_input(prompt: str | list) -> dict:
     if prompt and all(isinstance(p, int) for p in prompt):
         return {"token_ids": list(prompt)}
     if len(prompt) != 1:
-        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: exactly one prompt per request (n=1)")
+        raise invalid("prompt", "exactly one prompt per request (use n for several completions)")
     return {"prompt": prompt[0]}
 
 
-def _prepare(service: RouterService, body: _SamplingFields, max_tokens: int | None, **inputs) -> Prepared:
-    if body.n != 1:
-        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"n: only n=1 is supported, got {body.n}")
-    return service.prepare(body.model, body.sampling(max_tokens, service.generation_defaults), **inputs)
+def _prepare(service: RouterService, body: _SamplingFields, max_tokens: int | None, logprobs: int | None,
+             **inputs) -> Prepared:
+    return service.prepare(body.model, body.sampling(max_tokens, service.generation_defaults, logprobs), **inputs)
 
 
-async def _respond(service: RouterService, body: _SamplingFields, prepared: Prepared, request: Request, chat: bool):
-    shape = _Shape(prepared.request_id.replace("req-", "chatcmpl-" if chat else "cmpl-"), service.model_id, chat)
-    stream = service.stream(prepared, body.timeout)
+async def _respond(service: RouterService, body: _SamplingFields, prepared: Prepared, request: Request, chat: bool,
+                   want_logprobs: bool, echo: str = "", best_of: int | None = None):
+    count = fanout.check_n(body.n, best_of, body.stream)
+    reqs = fanout.choices(prepared, count)
+    if count > body.n and prepared.sampling.logprobs is None:  # ranking needs each token's logprob
+        from dataclasses import replace
+
+        reqs = [replace(r, sampling=replace(r.sampling, logprobs=0)) for r in reqs]
+    shape = Shape(prepared.request_id.replace("req-", "chatcmpl-" if chat else "cmpl-"), service.model_id, chat,
+                  service.token_text, echo)
+    stream = fanout.stream_choices(service, reqs, body.timeout)
     if body.stream:
         # Wait for the first delta before sending headers, so that admission errors (429, 503) and
         # failures before the first token keep their HTTP status.
@@ -143,19 +145,21 @@ async def _respond(service: RouterService, body: _SamplingFields, prepared: Prep
             first = await anext(stream)
         except StopAsyncIteration:
             first = None
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_sse(first, stream, shape, include_usage), media_type="text/event-stream")
-    return JSONResponse(await _collect(stream, shape, request))
+        return StreamingResponse(_sse(first, stream, shape, body.include_usage, want_logprobs, count),
+                                 media_type="text/event-stream")
+    per_choice = await _collect(stream, count, request)
+    if count > body.n:
+        per_choice = fanout.best_n(per_choice, body.n)
+    return JSONResponse(shape.full(per_choice, want_logprobs))
 
 
-async def _collect(stream: AsyncIterator[Delta], shape: "_Shape", request: Request) -> dict:
-    """The whole completion; a client disconnect cancels it (and so aborts the workers' legs)."""
-    async def run() -> dict:
-        text, last = [], None
-        async for d in stream:
-            text.append(d.text)
-            last = d
-        return shape.full("".join(text), last)
+async def _collect(stream: AsyncIterator[tuple[int, Delta]], count: int, request: Request) -> list[list[Delta]]:
+    """Every choice's deltas; a client disconnect cancels them (and so aborts the workers' legs)."""
+    async def run() -> list[list[Delta]]:
+        per_choice: list[list[Delta]] = [[] for _ in range(count)]
+        async for i, d in stream:
+            per_choice[i].append(d)
+        return per_choice
 
     task = asyncio.create_task(run())
     while not task.done():
@@ -165,72 +169,35 @@ async def _collect(stream: AsyncIterator[Delta], shape: "_Shape", request: Reque
     return task.result()
 
 
-async def _sse(first: Delta | None, stream: AsyncIterator[Delta], shape: "_Shape", include_usage: bool
-               ) -> AsyncIterator[str]:
+async def _sse(first: tuple[int, Delta] | None, stream: AsyncIterator[tuple[int, Delta]], shape: Shape,
+               include_usage: bool, want_logprobs: bool, count: int) -> AsyncIterator[str]:
+    started: set[int] = set()
+    usages = []
     try:
-        async for d in _chain(first, stream):
-            yield _event(shape.chunk(d, d is first))
-            if d.finish_reason and include_usage:
-                yield _event(shape.usage_chunk(d))
+        async for i, d in _chain(first, stream, count):
+            yield _event(shape.chunk(i, d, i not in started, want_logprobs))
+            started.add(i)
+            if d.finish_reason and d.usage is not None:
+                usages.append(d.usage)
+        if include_usage:
+            yield _event(shape.usage_chunk(usages))
     except ServiceError as e:  # headers are sent: report the error in the stream, never a fake success
         yield _event(_error_body(e))
     yield "data: [DONE]\n\n"
 
 
-async def _chain(first: Delta | None, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+async def _chain(first, rest: AsyncIterator, count: int) -> AsyncIterator:
     if first is None:
         return
     yield first
-    if not first.finish_reason:
-        async for d in rest:
-            yield d
+    if count == 1 and first[1].finish_reason:
+        return
+    async for item in rest:
+        yield item
 
 
 def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-class _Shape:
-    """OpenAI response objects for one request."""
-
-    def __init__(self, rid: str, model: str, chat: bool) -> None:
-        self.id, self.model, self.chat, self.created = rid, model, chat, int(time.time())
-
-    def _base(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def full(self, text: str, last: Delta | None) -> dict:
-        finish = last.finish_reason if last else None
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-            out = self._base("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            out = self._base("text_completion")
-        return out | {"choices": [choice], "usage": _usage(last)}
-
-    def chunk(self, d: Delta, first: bool) -> dict:
-        if self.chat:
-            delta: dict[str, Any] = {"content": d.text}
-            if first:
-                delta["role"] = "assistant"
-            choice = {"index": 0, "delta": delta, "finish_reason": d.finish_reason}
-            return self._base("chat.completion.chunk") | {"choices": [choice]}
-        choice = {"index": 0, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
-        return self._base("text_completion") | {"choices": [choice]}
-
-    def usage_chunk(self, d: Delta) -> dict:
-        return self._base("chat.completion.chunk" if self.chat else "text_completion") | {
-            "choices": [], "usage": _usage(d)}
-
-
-def _usage(d: Delta | None) -> dict | None:
-    if d is None or d.usage is None:
-        return None
-    u = d.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
 def _error_body(e: ServiceError, param: str | None = None) -> dict:

@@ -70,6 +70,7 @@ class Tokens:
     usage: api_pb2.Usage | None = None
     kv_bytes: int = 0
     transfer_seconds: float = 0.0
+    logprobs: list[api_pb2.TokenLogprob] = field(default_factory=list)  # one per token when asked for
 
 
 @dataclass
@@ -135,7 +136,7 @@ class Orchestrator:
             lease_seconds=self.config.reservation_lease_s), deadline)
         p, first = await self._prefill_with_retry(legs, prompt_ids, sampling, reserve.destination, deadline)
         first_tokens = Tokens([first.first_token_id], first.finish_reason or None, first.usage, first.kv_bytes,
-                              first.transfer_seconds)
+                              first.transfer_seconds, [first.first_logprob] if first.HasField("first_logprob") else [])
         if first.finish_reason:  # the first token ended it: D's reservation is not needed
             legs.finished = True
             self._spawn(self._release(p, rid))
@@ -192,7 +193,8 @@ class Orchestrator:
                 finish = chunk.finish_reason or None
                 if finish:
                     legs.finished = True
-                yield Tokens(list(chunk.token_ids), finish, chunk.usage if chunk.HasField("usage") else None)
+                yield Tokens(list(chunk.token_ids), finish, chunk.usage if chunk.HasField("usage") else None,
+                             logprobs=list(chunk.logprobs))
                 if finish:
                     return
         except grpc.RpcError as e:

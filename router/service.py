@@ -14,7 +14,7 @@ import contextlib
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -47,6 +47,7 @@ class Delta:
     finish_reason: str | None = None
     usage: api_pb2.Usage | None = None
     ttft_s: float | None = None
+    logprobs: list[api_pb2.TokenLogprob] = field(default_factory=list)  # one per token_ids entry, when asked
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,10 @@ class RouterService:
             self._tokenizer = RouterTokenizer(self._info().tokenizer_dir, chat_template=self._chat_template)
         return self._tokenizer
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (logprobs name the tokens this way)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     @property
     def generation_defaults(self) -> dict:
         """Default sampling values for fields a request leaves unset (vLLM's --generation-config)."""
@@ -124,15 +129,22 @@ class RouterService:
         except (InvalidRequest, ChatTemplateError) as e:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
+    def check_model(self, model: str) -> None:
+        """Raises ServiceError(INVALID_ARGUMENT) unless model is empty or the served model id."""
+        try:
+            validate_model(model, self.model_id)
+        except InvalidRequest as e:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+
     def prepare(self, model: str, sampling: SamplingParams, *, prompt: str | None = None,
                 chat: list[ChatMessage] | None = None, token_ids: list[int] | None = None,
-                request_id: str = "") -> Prepared:
+                request_id: str = "", add_generation_prompt: bool = True) -> Prepared:
         try:
             if token_ids is not None:
                 validate_model(model, self.model_id)
                 ids = list(token_ids)
             else:
-                ids = self.tokenize(model, prompt, chat)[1]
+                ids = self.tokenize(model, prompt, chat, add_generation_prompt)[1]
             check_prompt(ids, sampling.max_tokens, self.max_model_len)
         except InvalidRequest as e:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
@@ -203,7 +215,7 @@ class RouterService:
                 finish = "stop" if detok.stopped else tokens.finish_reason
                 if finish and not detok.stopped:
                     text += detok.finish()
-                delta = Delta(tokens.token_ids, text, finish, ttft_s=ttft)
+                delta = Delta(tokens.token_ids, text, finish, ttft_s=ttft, logprobs=tokens.logprobs)
                 if finish:
                     delta.usage = api_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=n_out,
                                                 cached_tokens=cached)

@@ -106,7 +106,7 @@ def test_stop_string_inside_one_token_batch():
 
 def test_http_request_carries_vllm_sampling_extensions():
     """`ignore_eos` and `top_k` (vLLM's extensions, used by benchmark clients) reach the workers."""
-    from router.http_server import CompletionRequest
+    from router.openai_protocol import CompletionRequest
 
     s = CompletionRequest(prompt="hi", ignore_eos=True, top_k=5, max_tokens=7).sampling(7, {})
     assert (s.ignore_eos, s.top_k, s.max_tokens) == (True, 5, 7)
@@ -117,7 +117,7 @@ def test_generation_config_defaults_fill_only_unset_fields(tmp_path):
     """--generation-config auto: the model's generation_config.json gives the defaults a request leaves unset."""
     import json
 
-    from router.http_server import CompletionRequest
+    from router.openai_protocol import CompletionRequest
     from router.service import generation_defaults
 
     (tmp_path / "generation_config.json").write_text(json.dumps(

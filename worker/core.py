@@ -71,11 +71,18 @@ def usage_pb(usage) -> api_pb2.Usage:
                          cached_tokens=usage.cached_tokens)
 
 
+def logprob_pb(lp) -> api_pb2.TokenLogprob:
+    """The sampler's TokenLogprobs on the wire (computed here, on the worker that sampled the token)."""
+    return api_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                top=[api_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
 def token_chunk(out) -> worker_pb2.TokenChunk:
     """A RequestOutput on the wire; an engine-side error becomes UNAVAILABLE (never a success)."""
     if out.finished and out.finish_reason in ("error", "abort"):
         raise WorkerError(grpc.StatusCode.UNAVAILABLE, f"request {out.request_id} ended with {out.finish_reason}")
-    chunk = worker_pb2.TokenChunk(token_ids=out.new_token_ids, finish_reason=out.finish_reason or "")
+    chunk = worker_pb2.TokenChunk(token_ids=out.new_token_ids, finish_reason=out.finish_reason or "",
+                                  logprobs=[logprob_pb(lp) for lp in out.logprobs or ()])
     if out.finished:
         chunk.usage.CopyFrom(usage_pb(out.usage))
     return chunk

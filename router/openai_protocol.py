@@ -1,0 +1,239 @@
+"""The OpenAI / vLLM request bodies pdserve accepts, and the response objects it returns. No torch.
+
+Every accepted field is declared; any other field is refused with a 400 naming it (pydantic
+``extra="forbid"``), and a declared field whose value pdserve cannot honour (``suffix``,
+a non-empty ``logit_bias``, ``echo`` with ``logprobs``, a non-text content part) is a 400 naming
+it too: never a 200 that ignored something. vLLM extensions accepted: ``top_k``, ``min_tokens``,
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``; pdserve's: ``timeout`` (seconds).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import grpc
+from pydantic import BaseModel, ConfigDict, Field
+
+from proto.pdserve.v1 import api_pb2
+from proto.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from router.errors import ServiceError
+from router.service import Delta
+from router.tokenizer import ChatMessage
+
+
+def invalid(field: str, message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {message}")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM; refused when true (see check)
+
+
+class _SamplingFields(_Strict):
+    model: str = ""
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, description="vLLM: token ids that end the output")
+    top_k: int | None = Field(default=None, description="vLLM: keep the k most likely tokens (0 = all)")
+    min_tokens: int = Field(default=0, description="vLLM: EOS and stop token ids cannot end the output before")
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = Field(default=1.0, description="vLLM: > 1 discourages tokens already seen")
+    ignore_eos: bool = Field(default=False, description="vLLM: generate past EOS until max_tokens")
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    timeout: float | None = Field(default=None, description="pdserve: deadline in seconds")
+
+    def sampling(self, max_tokens: int | None, defaults: dict, logprobs: int | None = None) -> SamplingParams:
+        """Validated params; raises InvalidRequest naming the field (answered as a 400).
+        defaults: values for unset fields (--generation-config), else the OpenAI defaults."""
+        if self.logit_bias:
+            raise invalid("logit_bias", "not supported by pdserve")
+        if self.stream_options and self.stream_options.continuous_usage_stats:
+            raise invalid("stream_options.continuous_usage_stats", "not supported by pdserve")
+        if self.stream_options and not self.stream:
+            raise invalid("stream_options", "only allowed with stream=true")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+        def pick(name: str, value, fallback):
+            return value if value is not None else defaults.get(name, fallback)
+
+        return SamplingParams(temperature=pick("temperature", self.temperature, 1.0),
+                              top_p=pick("top_p", self.top_p, 1.0), top_k=pick("top_k", self.top_k, 0), seed=self.seed,
+                              max_tokens=pick("max_tokens", max_tokens, DEFAULT_MAX_TOKENS), stop=stop,
+                              stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+                              logprobs=logprobs, min_tokens=self.min_tokens, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int]
+    logprobs: int | None = None   # top-n per token, 0..20
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def engine_logprobs(self) -> int | None:
+        if self.suffix is not None:
+            raise invalid("suffix", "not supported by pdserve")
+        if self.echo and self.logprobs is not None:
+            raise invalid("echo", "with logprobs needs the prompt's logprobs, which pdserve does not compute")
+        return self.logprobs
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")  # image_url etc. are refused by type, with their name
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(_Strict):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessageIn]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def engine_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs", "needs logprobs=true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def chat(self) -> list[ChatMessage]:
+        """The conversation with every content as one string (a list of text parts is joined)."""
+        if not self.messages:
+            raise invalid("messages", "must not be empty")
+        return [ChatMessage(m.role, _content_text(m, i)) for i, m in enumerate(self.messages)]
+
+
+def _content_text(m: ChatMessageIn, i: int) -> str:
+    if m.name is not None:
+        raise invalid(f"messages.{i}.name", "not supported by pdserve")
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    texts = []
+    for j, part in enumerate(m.content):
+        if part.type != "text" or part.text is None:
+            raise invalid(f"messages.{i}.content.{j}.type", f"only text parts are supported, got {part.type!r}")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+class TokenizeRequest(_Strict):
+    model: str = ""
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    add_generation_prompt: bool = True
+
+
+class DecodeTokensRequest(_Strict):
+    model: str = ""
+    tokens: list[int]
+
+
+# ---- responses -----------------------------------------------------------------------------------
+
+def usage_dict(usages: list[api_pb2.Usage]) -> dict | None:
+    """One usage for n completions of one prompt: the prompt once, the completions summed."""
+    if not usages:
+        return None
+    prompt = usages[0].prompt_tokens
+    completion = sum(u.completion_tokens for u in usages)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": max(u.cached_tokens for u in usages)}}
+
+
+class Shape:
+    """OpenAI response objects for one request (chat or completion, n choices).
+
+    token_text: a token id's text (logprobs name tokens); echo: text put before each choice's output.
+    """
+
+    def __init__(self, rid: str, model: str, chat: bool, token_text: Callable[[int], str], echo: str = "") -> None:
+        self.id, self.model, self.chat, self.created = rid, model, chat, int(time.time())
+        self.token_text, self.echo = token_text, echo
+        self._offsets: dict[int, int] = {}  # completions logprobs: text_offset per choice
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, per_choice: list[list[Delta]], want_logprobs: bool) -> dict:
+        choices, usages = [], []
+        for i, deltas in enumerate(per_choice):
+            text = "".join(d.text for d in deltas)
+            last = deltas[-1] if deltas else None
+            lps = [lp for d in deltas for lp in d.logprobs] if want_logprobs else None
+            if last is not None and last.usage is not None:
+                usages.append(last.usage)
+            choices.append(self._choice(i, text, last.finish_reason if last else None, lps, first=True, full=True))
+        obj = self._base("chat.completion" if self.chat else "text_completion")
+        return obj | {"choices": choices, "usage": usage_dict(usages)}
+
+    def chunk(self, index: int, d: Delta, first: bool, want_logprobs: bool) -> dict:
+        obj = self._base("chat.completion.chunk" if self.chat else "text_completion")
+        return obj | {"choices": [self._choice(index, d.text, d.finish_reason, d.logprobs if want_logprobs else None,
+                                               first=first, full=False)]}
+
+    def usage_chunk(self, usages: list[api_pb2.Usage]) -> dict:
+        return self._base("chat.completion.chunk" if self.chat else "text_completion") | {
+            "choices": [], "usage": usage_dict(usages)}
+
+    def _choice(self, index: int, text: str, finish: str | None, lps: list | None, first: bool, full: bool) -> dict:
+        if self.chat:
+            body: dict[str, Any] = {"role": "assistant", "content": text} if full else (
+                {"role": "assistant", "content": text} if first else {"content": text})
+            key = "message" if full else "delta"
+            return {"index": index, key: body, "logprobs": self._chat_logprobs(lps), "finish_reason": finish}
+        if first and self.echo:
+            text = self.echo + text
+        return {"index": index, "text": text, "logprobs": self._completion_logprobs(index, lps, first),
+                "finish_reason": finish}
+
+    def _chat_logprobs(self, lps: list | None) -> dict | None:
+        if lps is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict:
+            s = self.token_text(token_id)
+            return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
+
+        return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t.token_id, t.logprob)
+                                                                               for t in lp.top]}
+                            for lp in lps]}
+
+    def _completion_logprobs(self, index: int, lps: list | None, first: bool) -> dict | None:
+        if lps is None:
+            return None
+        if first:
+            self._offsets[index] = len(self.echo)
+        tokens, offsets = [], []
+        for lp in lps:
+            s = self.token_text(lp.token_id)
+            offsets.append(self._offsets[index])
+            self._offsets[index] += len(s)
+            tokens.append(s)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self.token_text(t.token_id): t.logprob for t in lp.top} for lp in lps],
+                "text_offset": offsets}
