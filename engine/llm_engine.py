@@ -17,12 +17,14 @@ from typing import Callable, Sequence
 from engine.batch import SeqChunk
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.errors import UserError
 from engine.outputs import ChunkInfo, EngineStats, RequestOutput, Usage
 from engine.plan import SchedulePlan, StepResult
 from engine.request import Request, RequestState
+from engine.scheduler import Scheduler
+from proto.chat import ChatMessage, ChatTemplate
 from proto.detokenizer import IncrementalDetokenizer
 from proto.sampling import InvalidRequest, SamplingParams
-from engine.scheduler import Scheduler
 
 LayerHook = Callable[[int, list[ChunkInfo]], None]
 
@@ -75,15 +77,24 @@ class LLMEngine:
         self.track_kv_waste = track_kv_waste
         self.kv_waste_samples: list[float] = []
         self.kv_usage_peak = 0.0
+        self._template: ChatTemplate | None = None
 
     # ---- requests ----------------------------------------------------------------------------
     def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
-        """Token ids of a prompt; with chat=True as one user message plus the generation prompt."""
+        """Token ids of a prompt; with chat=True as one user message plus the generation prompt,
+        rendered by the same chat-template code as the router's (proto/chat.py). Raises UserError
+        if the model has no chat template."""
         if chat:
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                     add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            text = self._chat_template().render([ChatMessage("user", prompt)], add_generation_prompt=True)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         return list(self.tokenizer(prompt)["input_ids"])
+
+    def _chat_template(self) -> ChatTemplate:
+        if self._template is None:
+            self._template = ChatTemplate.from_model_dir(self.model_config.path)
+            if self._template is None:
+                raise UserError(f"--chat: the model at {self.model_config.path} has no chat template")
+        return self._template
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, *,
                     hold_kv: bool = False) -> Request:

@@ -12,12 +12,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from proto.chat import ChatMessage
 from proto.pdserve.v1 import api_pb2, api_pb2_grpc
 from proto.sampling import InvalidRequest, from_wire
 from router import fanout
 from router.errors import ServiceError
 from router.service import RouterService, with_defaults
-from router.tokenizer import ChatMessage
 
 SERVICE_NAME = api_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 

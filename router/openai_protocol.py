@@ -15,11 +15,11 @@ from typing import Any, Callable
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
+from proto.chat import ChatMessage
 from proto.pdserve.v1 import api_pb2
 from proto.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from router.errors import ServiceError
 from router.service import Delta
-from router.tokenizer import ChatMessage
 
 
 def invalid(field: str, message: str) -> ServiceError:

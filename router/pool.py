@@ -1,6 +1,8 @@
 """The router's view of its workers: one gRPC channel each, their info and last load.
 
-A background loop asks the registry who exists, connects to new workers (Info), drops gone ones,
+A background loop asks the registry who exists, connects to new workers (Info; from the first
+one also the model's tokenizer files, Worker.ModelFiles, so the router never reads a worker's
+disk and may run on another node), drops gone ones,
 and polls Stats; a worker whose RPC fails is marked dead until a poll succeeds again (Ray restarts
 it and it re-registers, possibly at a new address). Loads combine the worker's last Stats with the
 requests the router has sent it since, so a burst does not all land on one worker.
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from proto.model_files import join_chunks
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from router.registry import Registry, WorkerEndpoint
 from router.selection import WorkerLoad
@@ -25,6 +28,7 @@ from router.selection import WorkerLoad
 log = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 2.0
+MODEL_FILES_TIMEOUT_S = 30.0  # a few MB, once
 
 
 @dataclass
@@ -63,6 +67,7 @@ class WorkerPool:
         self._workers: dict[str, WorkerHandle] = {}
         self._task: asyncio.Task | None = None
         self.changed = asyncio.Event()
+        self.model_files: dict[str, bytes] | None = None  # from the first worker (all serve one model)
 
     async def start(self) -> None:
         await self.refresh()
@@ -115,6 +120,9 @@ class WorkerPool:
         stub = worker_pb2_grpc.WorkerStub(channel)
         try:
             info = await stub.Info(worker_pb2.InfoRequest(), timeout=self._rpc_timeout_s)
+            if self.model_files is None:
+                self.model_files = join_chunks([c async for c in stub.ModelFiles(
+                    worker_pb2.ModelFilesRequest(), timeout=MODEL_FILES_TIMEOUT_S)])
         except grpc.RpcError as err:
             log.info("worker %s at %s not reachable yet: %s", e.id, e.address, err.code())
             await channel.close()

@@ -20,6 +20,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from proto.chat import ChatMessage, ChatTemplateError
 from proto.detokenizer import IncrementalDetokenizer
 from proto.pdserve.v1 import api_pb2
 from proto.sampling import InvalidRequest, SamplingParams, check_prompt, to_wire
@@ -27,7 +28,7 @@ from router.errors import ServiceError
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.pool import WorkerPool
-from router.tokenizer import ChatMessage, ChatTemplateError, RouterTokenizer
+from router.tokenizer import RouterTokenizer
 from router.validation import validate_model
 
 DEFAULT_DEADLINE_S = 600.0
@@ -97,7 +98,7 @@ class RouterService:
     @property
     def tokenizer(self) -> RouterTokenizer:
         if self._tokenizer is None:
-            self._tokenizer = RouterTokenizer(self._info().tokenizer_dir, chat_template=self._chat_template)
+            self._tokenizer = RouterTokenizer(self._model_files(), chat_template=self._chat_template)
         return self._tokenizer
 
     def token_text(self, token_id: int) -> str:
@@ -109,9 +110,21 @@ class RouterService:
         """Default sampling values for fields a request leaves unset (vLLM's --generation-config)."""
         if self._defaults is None:
             source = self.config.generation_config
-            self._defaults = {} if source == "vllm" else generation_defaults(
-                Path(self._info().tokenizer_dir if source == "auto" else source))
+            if source == "vllm":
+                self._defaults = {}
+            elif source == "auto":  # the model's own file, as the worker sent it
+                text = self._model_files().get("generation_config.json")
+                self._defaults = _defaults_from_json(text.decode() if text is not None else None)
+            else:
+                self._defaults = generation_defaults(Path(source))
         return self._defaults
+
+    def _model_files(self) -> dict[str, bytes]:
+        """The model's tokenizer files, fetched from a worker by the pool (never read from its disk)."""
+        files = self.pool.model_files
+        if files is None:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no live worker; retry later")
+        return files
 
     # -- request preparation ---------------------------------------------------------------------
     def tokenize(self, model: str, prompt: str | None = None, chat: list[ChatMessage] | None = None,
@@ -247,11 +260,19 @@ def generation_defaults(model_dir: Path) -> dict:
 
     Only the keys in _GENERATION_KEYS are used; a key the file does not set keeps the server default."""
     path = model_dir / "generation_config.json"
-    if not path.exists():
+    try:
+        return _defaults_from_json(path.read_text() if path.exists() else None)
+    except OSError:
+        return {}
+
+
+def _defaults_from_json(text: str | None) -> dict:
+    """The sampling defaults in the text of a generation_config.json (None or unparsable: none)."""
+    if text is None:
         return {}
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
+        config = json.loads(text)
+    except ValueError:
         return {}
     return {ours: config[theirs] for theirs, ours in _GENERATION_KEYS.items() if config.get(theirs) is not None}
 

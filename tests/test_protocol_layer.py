@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from proto.chat import ChatMessage, ChatTemplate, ChatTemplateError
 from proto.detokenizer import IncrementalDetokenizer
-from proto.pdserve.v1 import api_pb2
+from proto.model_files import MODEL_FILES, file_chunks, join_chunks
+from proto.pdserve.v1 import api_pb2, worker_pb2
 from proto.sampling import InvalidRequest, SamplingParams, check_prompt, from_wire, to_wire
 from proto.stop import find_stop_string, partial_stop_len, token_stop_reason
 
@@ -117,3 +119,46 @@ def test_no_other_detokenizer_or_stop_rule_is_defined():
                 defined.setdefault(node.name, []).append(str(path.relative_to(REPO)))
     assert defined == {"IncrementalDetokenizer": ["proto/detokenizer.py"], "token_stop_reason": ["proto/stop.py"],
                        "find_stop_string": ["proto/stop.py"], "partial_stop_len": ["proto/stop.py"]}
+
+
+# -- one chat-template renderer (proto/chat.py) and the model files a worker sends (proto/model_files.py)
+CONVERSATIONS = [
+    [ChatMessage("user", "What is the capital of France?")],
+    [ChatMessage("system", "You are terse."), ChatMessage("user", "Hi"), ChatMessage("assistant", "Hello."),
+     ChatMessage("user", "Name three colors.")],
+]
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_renders_as_transformers_does(model_path, tokenizer, messages, add_generation_prompt):
+    ours = ChatTemplate.from_model_dir(model_path).render(messages, add_generation_prompt)
+    theirs = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
+                                           add_generation_prompt=add_generation_prompt, tokenize=False)
+    assert ours == theirs
+
+
+def test_chat_template_errors_are_one_type():
+    with pytest.raises(ChatTemplateError, match="does not parse"):
+        ChatTemplate("{% if %}")
+    with pytest.raises(ChatTemplateError, match="no system"):
+        ChatTemplate("{{ raise_exception('no system') }}").render([ChatMessage("user", "x")])
+
+
+def test_router_tokenizer_from_the_files_a_worker_sends(model_path, tokenizer):
+    from router.tokenizer import RouterTokenizer
+
+    chunks = list(file_chunks(model_path, chunk_bytes=256 * 1024))
+    assert max(len(c.data) for c in chunks) <= 256 * 1024
+    files = join_chunks(chunks)
+    assert files["tokenizer.json"] == (model_path / "tokenizer.json").read_bytes()
+    assert set(files) <= set(MODEL_FILES) and "tokenizer_config.json" in files
+    tok = RouterTokenizer(files)
+    text = "Hello 🙂 world, how are you?"
+    assert tok.encode(text) == tokenizer(text)["input_ids"]
+    rendered, ids = tok.encode_chat(CONVERSATIONS[0])
+    assert ids == tokenizer.apply_chat_template([{"role": "user", "content": CONVERSATIONS[0][0].content}],
+                                                add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert "tokenizer_dir" not in worker_pb2.WorkerInfo.DESCRIPTOR.fields_by_name  # no path on a worker's disk
+    with pytest.raises(ValueError, match="unexpected model file"):
+        join_chunks([worker_pb2.FileChunk(name="../../etc/passwd", data=b"")])

@@ -152,7 +152,7 @@ class WorkerCore:
     def info(self) -> worker_pb2.WorkerInfo:
         mc = self.model_config
         return worker_pb2.WorkerInfo(
-            id=self.config.worker_id, role=self.config.role, model_id=self.model_id, tokenizer_dir=str(self.model_dir),
+            id=self.config.worker_id, role=self.config.role, model_id=self.model_id,
             max_model_len=self.max_model_len, eos_token_ids=list(mc.eos_token_ids), block_size=self.config.block_size,
             kv_transport="" if self.config.role == "agg" else self.config.kv_transport, kv_metadata=self.kv_metadata)
 

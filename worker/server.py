@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import grpc
 
 from worker.core import WorkerConfig, WorkerCore, WorkerError
+from proto.model_files import file_chunks
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Stats(self, request, context):
         return self.w.worker_stats()
+
+    async def ModelFiles(self, request, context):
+        for chunk in file_chunks(self.w.model_dir):
+            yield chunk
 
     async def Reserve(self, request, context):
         if not hasattr(self.w, "reserve"):

@@ -12,11 +12,10 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("id", "role", "model_id", "tokenizer_dir", "max_model_len", "eos_token_ids", "block_size", "kv_transport", "kv_metadata")
+    __slots__ = ("id", "role", "model_id", "max_model_len", "eos_token_ids", "block_size", "kv_transport", "kv_metadata")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKENIZER_DIR_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -25,13 +24,24 @@ class WorkerInfo(_message.Message):
     id: str
     role: str
     model_id: str
-    tokenizer_dir: str
     max_model_len: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
     kv_transport: str
     kv_metadata: bytes
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., model_id: _Optional[str] = ..., tokenizer_dir: _Optional[str] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_transport: _Optional[str] = ..., kv_metadata: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_transport: _Optional[str] = ..., kv_metadata: _Optional[bytes] = ...) -> None: ...
+
+class ModelFilesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FileChunk(_message.Message):
+    __slots__ = ("name", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -79,6 +79,11 @@ class WorkerStub:
                 request_serializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.KvEventsRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.KvEventsResponse.FromString,
                 _registered_method=True)
+        self.ModelFiles = channel.unary_stream(
+                '/pdserve.v1.Worker/ModelFiles',
+                request_serializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.ModelFilesRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.FileChunk.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -139,6 +144,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ModelFiles(self, request, context):
+        """The tokenizer files of the worker's model (proto/model_files.py), so the router tokenizes
+        without reading the worker's disk.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +199,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.KvEvents,
                     request_deserializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.KvEventsRequest.FromString,
                     response_serializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.KvEventsResponse.SerializeToString,
+            ),
+            'ModelFiles': grpc.unary_stream_rpc_method_handler(
+                    servicer.ModelFiles,
+                    request_deserializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.ModelFilesRequest.FromString,
+                    response_serializer=proto_dot_pdserve_dot_v1_dot_worker__pb2.FileChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -431,6 +449,33 @@ class Worker:
             '/pdserve.v1.Worker/KvEvents',
             proto_dot_pdserve_dot_v1_dot_worker__pb2.KvEventsRequest.SerializeToString,
             proto_dot_pdserve_dot_v1_dot_worker__pb2.KvEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelFiles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Worker/ModelFiles',
+            proto_dot_pdserve_dot_v1_dot_worker__pb2.ModelFilesRequest.SerializeToString,
+            proto_dot_pdserve_dot_v1_dot_worker__pb2.FileChunk.FromString,
             options,
             channel_credentials,
             insecure,
