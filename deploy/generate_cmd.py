@@ -10,11 +10,13 @@ sampling values) raises UserError / InvalidRequest: deploy/cli.py prints one lin
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from deploy import runtime_options
 from engine.errors import UserError
 from engine.quantization import check_kv_cache_dtype, check_quantization
 from proto.sampling import InvalidRequest, SamplingParams
@@ -36,6 +38,11 @@ def command(
     url: Optional[str] = typer.Option(None, "--url", help="Send the prompts to a running pdserve router instead."),
     quantization: str = typer.Option("none", "--quantization", help="Linear method: none, int8 or fp8."),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="KV-cache dtype: auto or fp8_e4m3."),
+    dtype: str = runtime_options.dtype_option(),
+    threads_per_worker: Optional[int] = runtime_options.threads_option(),
+    kv_cache_memory: Optional[str] = runtime_options.kv_memory_option(),
+    num_blocks: Optional[int] = runtime_options.num_blocks_option(),
+    max_num_batched_tokens: int = runtime_options.batched_tokens_option(8192),
 ) -> None:
     """Generate completions offline: all prompts run as one batch through the paged-cache forward."""
     check_quantization(quantization)
@@ -51,7 +58,15 @@ def command(
         except ConnectionError as e:
             raise UserError(str(e)) from None
         return
-    outputs = _generate_offline(model, prompts, params, chat, quantization, kv_cache_dtype)
+    from engine.model_loader import resolve_model
+
+    model_dir = resolve_model(model)
+    rt = runtime_options.resolve_runtime(model_dir=model_dir, dtype=dtype, threads_per_worker=threads_per_worker,
+                                         kv_cache_memory=kv_cache_memory, num_blocks=num_blocks,
+                                         max_num_batched_tokens=max_num_batched_tokens)
+    if sys.stderr.isatty():  # scripted runs keep stderr for the one-line error (exit status 2)
+        print(f"pdserve: {rt.describe()}", file=sys.stderr, flush=True)
+    outputs = _generate_offline(model_dir, prompts, params, chat, rt, quantization, kv_cache_dtype)
     for out in outputs:
         if json_output:
             print(json.dumps({"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids,
@@ -60,11 +75,17 @@ def command(
             print(out.text, flush=True)
 
 
-def _generate_offline(model: str, prompts: list[str], params: SamplingParams, chat: bool,
-                      quantization: str = "none", kv_cache_dtype: str = "auto"):
+def _generate_offline(model: Path, prompts: list[str], params: SamplingParams, chat: bool,
+                      rt: "runtime_options.RuntimeOptions", quantization: str = "none",
+                      kv_cache_dtype: str = "auto"):
     from engine.llm import LLM
+    from engine.platform import bind_to_cores
 
-    return LLM(model, quantization=quantization, kv_cache_dtype=kv_cache_dtype).generate(prompts, params, chat=chat)
+    bind_to_cores(rt.cores[0] if rt.cores else None, rt.threads)
+    llm = LLM(model, dtype=rt.dtype, num_blocks=rt.num_blocks, kv_cache_memory_bytes=rt.kv_cache_memory_bytes,
+              max_num_batched_tokens=rt.max_num_batched_tokens, quantization=quantization,
+              kv_cache_dtype=kv_cache_dtype)
+    return llm.generate(prompts, params, chat=chat)
 
 
 def _read_prompts(prompt: str | None, prompts_file: Path | None) -> list[str]:

@@ -71,20 +71,24 @@ class CacheConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     """model: a name ("smollm2-135m-instruct") or an HF-layout directory.
-    dtype: "float32" | "bfloat16" | "float16"; device: "cpu" or "cuda[:i]".
+    dtype: "auto" | "float32" | "bfloat16" | "float16" of weights, activations and KV cache
+        ("auto": bf16 where the device has native bf16, else fp32; see engine/platform.py;
+        logits, RMSNorm and softmax stay fp32); device: "cpu" or "cuda[:i]".
     num_threads: torch intra-op threads for this engine (None = leave torch's setting).
     quantization: the decoder's linear method, "none" | "int8" | "fp8" (engine/quantization).
     kv_cache_dtype: "auto" (= dtype) | "fp8_e4m3" (calibrated scales stored beside the model).
+    cpu_cores: CPU ids this engine's process is bound to (None = leave the affinity alone).
     """
 
     model: str = "smollm2-135m-instruct"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     num_threads: int | None = None
     quantization: str = "none"
     kv_cache_dtype: str = "auto"
+    cpu_cores: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         from engine.quantization import KV_CACHE_DTYPES, QUANTIZATION_METHODS
@@ -93,5 +97,7 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")

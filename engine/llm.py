@@ -58,13 +58,19 @@ class LLM:
     """Offline generation with one ModelRunner (see ModelRunner for the keyword arguments).
 
     max_num_batched_tokens: most prompt tokens prefilled in one forward (at least one prompt
-    is always admitted, whatever its length).
+    is always admitted, whatever its length). dtype: a torch dtype or a --dtype name ("auto"
+    resolves for the device, engine/platform.py); the default stays float32 so results match
+    transformers' fp32 reference on every machine.
     """
 
     def __init__(self, model: str | os.PathLike[str] = DEFAULT_MODEL, *, block_size: int = 16,
                  num_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
-                 dtype: torch.dtype = torch.float32, device: str = "cpu", max_num_seqs: int = 256,
+                 dtype: torch.dtype | str = torch.float32, device: str = "cpu", max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, quantization: str = "none", kv_cache_dtype: str = "auto") -> None:
+        if isinstance(dtype, str):  # "auto" | "float32" | "bfloat16" | "float16" (engine/platform.py)
+            from engine.platform import resolve_dtype
+
+            dtype = resolve_dtype(dtype, device)
         self.runner = ModelRunner(model, block_size=block_size, num_blocks=num_blocks,
                                   kv_cache_memory_bytes=kv_cache_memory_bytes, dtype=dtype, device=device,
                                   quantization=quantization, kv_cache_dtype=kv_cache_dtype)

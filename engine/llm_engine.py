@@ -11,6 +11,7 @@ Not thread-safe: call it from one thread (AsyncEngine runs it in a single worker
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -27,6 +28,7 @@ from proto.detokenizer import IncrementalDetokenizer
 from proto.sampling import InvalidRequest, SamplingParams
 
 LayerHook = Callable[[int, list[ChunkInfo]], None]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,13 +53,20 @@ class LLMEngine:
         from engine.model_runner import ModelRunner
         from engine.sampler import Sampler, make_generator
 
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        from engine import platform
+
+        if config.num_threads or config.cpu_cores:
+            platform.bind_to_cores(config.cpu_cores, config.num_threads or len(config.cpu_cores or ()))
         cache = config.cache
         self.config = config
+        if runner is None:
+            dtype = platform.resolve_dtype_name(config.dtype, config.device)
+            log.info("engine: dtype %s (%s), %d threads%s", dtype,
+                     platform.dtype_reason(config.dtype, dtype, config.device), torch.get_num_threads(),
+                     f" on cores {platform.format_cores(config.cpu_cores)}" if config.cpu_cores else "")
         self.runner = runner or ModelRunner(config.model, block_size=cache.block_size, num_blocks=cache.num_blocks,
                                             kv_cache_memory_bytes=cache.resolved_memory_bytes(),
-                                            dtype=getattr(torch, config.dtype), device=config.device,
+                                            dtype=getattr(torch, dtype), device=config.device,
                                             quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype)
         self.model_config = self.runner.model_config
         self.tokenizer = tokenizer or load_tokenizer(self.model_config.path)

@@ -1,0 +1,190 @@
+"""The runtime flags every engine-starting command shares (``generate``, ``serve``, the engine
+benchmarks): ``--dtype``, ``--threads-per-worker``, ``--kv-cache-memory``, ``--num-blocks``,
+``--max-num-batched-tokens``; resolved and checked here, torch-free, before any worker starts.
+
+``resolve_runtime(...)`` turns the flags into a `RuntimeOptions` (a concrete dtype, each
+worker's threads and cores, the KV cache size) or raises UserError naming the option and what
+is allowed (deploy/cli.py prints it on one line, exit status 2).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+import typer
+
+from engine import platform
+from engine.errors import UserError
+
+# Chunked-prefill token budget of one forward (decode tokens + prefill chunks). Measured with
+# `pdserve bench serve` on the issue-10 workload (docs/runtime.md): small enough that a prefill
+# chunk does not stall the decode rows sharing its step, large enough to keep GEMMs efficient.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+# Default KV cache per worker: this much, or less where memory is short (below).
+DEFAULT_KV_CACHE_BYTES = 2 * 2**30
+DEFAULT_KV_MEMORY_FRACTION = 0.2   # of MemAvailable, shared by the workers of this host
+MEMORY_HEADROOM = 0.9              # KV + weights of all workers must fit in this much of MemAvailable
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1,
+                      "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
+
+_PANEL = "Runtime"
+
+
+def dtype_option():
+    return typer.Option("auto", "--dtype", rich_help_panel=_PANEL,
+                        help="auto | float32 | bfloat16 | float16. auto: bf16 where the device has native bf16 "
+                             "(AVX512-BF16/AMX, or a GPU with bf16), else float32.")
+
+
+def threads_option():
+    return typer.Option(None, "--threads-per-worker", rich_help_panel=_PANEL,
+                        help="torch threads of each worker, bound to its own cores "
+                             "(default: the available cores divided among the workers on this host).")
+
+
+def kv_memory_option():
+    return typer.Option(None, "--kv-cache-memory", rich_help_panel=_PANEL,
+                        help="KV cache per worker, e.g. 2GiB (default: 2 GiB, or 20% of the available memory "
+                             "divided among the workers if less). Exclusive with --num-blocks.")
+
+
+def num_blocks_option():
+    return typer.Option(None, "--num-blocks", rich_help_panel=_PANEL,
+                        help="KV cache blocks per worker (instead of --kv-cache-memory).")
+
+
+def batched_tokens_option(default: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS):
+    return typer.Option(default, "--max-num-batched-tokens", rich_help_panel=_PANEL,
+                        help="Token budget of one forward: decode tokens + chunked-prefill chunks.")
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """What the runtime flags resolved to. dtype: "float32" | "bfloat16" | "float16".
+    cores[i]: the CPU ids worker i is bound to (None: do not bind, e.g. a remote Ray cluster).
+    Exactly one of num_blocks / kv_cache_memory_bytes is set."""
+
+    dtype: str
+    dtype_reason: str
+    threads: int
+    cores: tuple[tuple[int, ...], ...] | None
+    shared_cores: bool
+    num_blocks: int | None
+    kv_cache_memory_bytes: int | None
+    max_num_batched_tokens: int
+
+    def describe(self) -> str:
+        """The start-up line: dtype and why, ISA, threads and cores, KV cache."""
+        kv = (f"{self.num_blocks} KV blocks" if self.num_blocks is not None
+              else f"KV cache {platform.format_bytes(self.kv_cache_memory_bytes or 0)}")
+        where = ("" if self.cores is None else
+                 " on cores " + " | ".join(platform.format_cores(c) for c in self.cores))
+        shared = " (more workers than cores: cores shared)" if self.shared_cores else ""
+        return (f"dtype {self.dtype} ({self.dtype_reason}), isa {platform.cpu_isa()}, "
+                f"{self.threads} thread(s) per worker{where}{shared}, {kv} per worker, "
+                f"max_num_batched_tokens {self.max_num_batched_tokens}")
+
+
+def resolve_runtime(*, model_dir: Path | None, dtype: str, threads_per_worker: int | None,
+                    kv_cache_memory: str | None, num_blocks: int | None, max_num_batched_tokens: int,
+                    num_workers: int = 1, device: str = "cpu", block_size: int = 16, max_num_seqs: int = 1,
+                    bind_cores: bool = True) -> RuntimeOptions:
+    """Check and resolve the runtime flags for ``num_workers`` workers on this host.
+
+    model_dir: the HF-layout directory (its config.json and safetensors headers size the KV
+    blocks and weights); None skips the memory check. bind_cores False: a remote cluster, whose
+    cores this host does not know (threads only). Raises UserError naming the option.
+    """
+    resolved = platform.resolve_dtype_name(dtype, device)
+    if bind_cores and device == "cpu":
+        assignment = platform.assign_cores(num_workers, threads_per_worker)
+        threads, cores, shared = assignment.threads, assignment.cores, assignment.shared
+    else:
+        if threads_per_worker is not None and threads_per_worker < 1:
+            raise UserError(f"--threads-per-worker {threads_per_worker}: must be >= 1")
+        threads, cores, shared = threads_per_worker or 1, None, False
+    if max_num_batched_tokens < max(1, max_num_seqs):
+        raise UserError(f"--max-num-batched-tokens {max_num_batched_tokens}: must be >= --max-num-seqs "
+                        f"({max_num_seqs}), so every running request can decode each step")
+    blocks, kv_bytes = _kv_size(model_dir, resolved, kv_cache_memory, num_blocks, num_workers, block_size)
+    return RuntimeOptions(resolved, platform.dtype_reason(dtype, resolved, device), threads, cores, shared,
+                          blocks, kv_bytes, max_num_batched_tokens)
+
+
+def _kv_size(model_dir: Path | None, dtype: str, kv_cache_memory: str | None, num_blocks: int | None,
+             num_workers: int, block_size: int) -> tuple[int | None, int | None]:
+    if kv_cache_memory is not None and num_blocks is not None:
+        raise UserError("--kv-cache-memory and --num-blocks both size the KV cache: give one of them")
+    if num_blocks is not None and num_blocks < 1:
+        raise UserError(f"--num-blocks {num_blocks}: must be >= 1")
+    available = platform.available_memory_bytes()
+    if kv_cache_memory is not None:
+        kv_bytes, option = platform.parse_bytes(kv_cache_memory), f"--kv-cache-memory {kv_cache_memory}"
+    elif num_blocks is not None:
+        per = block_bytes(model_dir, dtype, block_size) if model_dir is not None else None
+        kv_bytes = None if per is None else num_blocks * per
+        option = f"--num-blocks {num_blocks}"
+    else:
+        kv_bytes = default_kv_cache_bytes(num_workers, available)
+        option = "the default KV cache"
+    per_block = block_bytes(model_dir, dtype, block_size) if model_dir is not None else None
+    if per_block is not None and available is not None and kv_bytes is not None:
+        if kv_bytes < per_block:
+            raise UserError(f"{option}: smaller than one KV block ({platform.format_bytes(per_block)})")
+        weights = weight_bytes(model_dir, dtype)
+        need = num_workers * (kv_bytes + weights)
+        if need > MEMORY_HEADROOM * available:
+            most = max(0, int(MEMORY_HEADROOM * available / num_workers - weights))
+            raise UserError(f"{option}: {num_workers} worker(s) x ({platform.format_bytes(kv_bytes)} KV + "
+                            f"{platform.format_bytes(weights)} weights) do not fit in the "
+                            f"{platform.format_bytes(available)} of memory available; use at most "
+                            f"{platform.format_bytes(most)} of KV cache per worker")
+    if num_blocks is not None:
+        return num_blocks, None
+    return None, kv_bytes
+
+
+def default_kv_cache_bytes(num_workers: int, available: int | None) -> int:
+    """DEFAULT_KV_CACHE_BYTES per worker, or DEFAULT_KV_MEMORY_FRACTION of the available memory
+    shared among the workers if that is less (MiB-aligned)."""
+    if available is None:
+        return DEFAULT_KV_CACHE_BYTES
+    share = int(DEFAULT_KV_MEMORY_FRACTION * available / max(1, num_workers))
+    return max(2**20, min(DEFAULT_KV_CACHE_BYTES, share) // 2**20 * 2**20)
+
+
+def block_bytes(model_dir: Path, dtype: str, block_size: int) -> int | None:
+    """Bytes one KV block holds over every layer, K and V (engine/kv_cache.py's layout); None
+    when config.json is unreadable or not a decoder's (the model loader then says what is wrong)."""
+    try:
+        c = json.loads((Path(model_dir) / "config.json").read_text())
+        heads = c["num_attention_heads"]
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
+        kv_heads = c.get("num_key_value_heads") or heads
+        return 2 * c["num_hidden_layers"] * block_size * kv_heads * head_dim * _ELEMENT_BYTES[dtype]
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
+def weight_bytes(model_dir: Path, dtype: str) -> int:
+    """Bytes of the model's weights in ``dtype``: parameter counts from the safetensors headers
+    (read without loading a tensor); 0 for files that are not safetensors."""
+    params = 0
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        try:
+            with f.open("rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+            for name, t in header.items():
+                if name != "__metadata__":
+                    count = 1
+                    for d in t["shape"]:
+                        count *= d
+                    params += count
+        except (OSError, ValueError, KeyError, TypeError, struct.error):
+            continue
+    return params * _ELEMENT_BYTES[dtype]
+
