@@ -1,156 +1,348 @@
-"""pdserve bench engine: our runtime vs transformers on the same weights, in one run.
+"""pdserve bench engine: the runtime's prefill and decode speed beside this machine's floors,
+all measured in one run.
 
-- prefill: tokens/s for one prompt of --prompt-tokens tokens (one forward, logits of the last token);
-- decode: ms per step (forward + argmax) at each batch size, every sequence holding --context
-  tokens of context when timing starts.
+For each thread count (``--threads``, default 1 and all available cores) it measures:
 
-Both sides are timed alternately (median of the repeats) and compared by CPU time, which other
-processes on a shared machine do not inflate; wall times are in the JSON too.
+- the machine: GEMM peak FLOP/s per dtype (``torch.mm`` on --gemm-size cubes) and memory
+  bandwidth (a --memcpy-mib tensor copied with ``Tensor.copy_``; bytes read + written per
+  second, the STREAM "copy" convention);
+- the runtime, per dtype (``--dtypes``, default float32 and bfloat16): prefill tok/s of one
+  --prompt-tokens prompt, and decode ms/step (forward + argmax) at each --batch-sizes with
+  --context tokens of context per sequence;
+- the floors, and the fraction of the floor reached (floor time / measured time):
+  prefill floor = FLOPs / GEMM peak (FLOPs = 2 x non-embedding params x tokens + causal
+  attention); decode floor = roofline max(weight bytes / bandwidth, FLOPs / GEMM peak) —
+  weight bytes alone (the brief's memory floor) while decode is memory-bound, the GEMM term
+  once a batch makes it compute-bound. The KV bytes a step reads are in the JSON beside it.
 
-Prints a table and writes JSON (``--json``). Run as ``pdserve bench engine`` or ``python -m bench.engine``.
-Speed is measured here, never in tests.
+Timing is wall clock, best of --repeats after a warm-up, the dtypes alternating repeat by
+repeat (a shared machine's load then lands on both alike); ``uptime``'s load is printed before
+and after. ``--vs-transformers`` adds transformers' fp32 forward on the same weights.
+Prints a table and writes JSON (``--json``). Speed is measured here, never in tests.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import typer
 
+from engine.errors import UserError
+
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared/data beside the repo
+_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def command(
     json_out: Path = typer.Option(Path("out/bench_engine.json"), "--json", help="Where to write the results."),
     model: str = typer.Option("smollm2-135m-instruct", "--model", "-m"),
-    prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Prefill prompt length."),
-    context: int = typer.Option(128, "--context", help="Context of each sequence before the timed decode steps."),
-    steps: int = typer.Option(16, "--steps", help="Timed decode steps per batch size."),
-    batch_sizes: str = typer.Option("1,8,32", "--batch-sizes", help="Comma-separated decode batch sizes."),
-    threads: int = typer.Option(0, "--threads", help="torch threads (0 = the cores this process may use)."),
+    dtypes: str = typer.Option("float32,bfloat16", "--dtypes", "--dtype",
+                               help="Comma-separated dtypes to measure (auto resolves for this CPU)."),
+    threads: Optional[str] = typer.Option(None, "--threads",
+                                          help="Comma-separated thread counts (default: 1 and all available cores)."),
+    prompt_tokens: int = typer.Option(512, "--prompt-tokens", min=1, help="Prefill prompt length."),
+    context: int = typer.Option(128, "--context", min=1, help="Context of each sequence before the timed steps."),
+    repeats: int = typer.Option(8, "--repeats", min=1, help="Timed decode steps (prefill: half) per measure."),
+    batch_sizes: str = typer.Option("1,16,32", "--batch-sizes", help="Comma-separated decode batch sizes."),
+    gemm_size: int = typer.Option(1536, "--gemm-size", min=64, help="M = N = K of the GEMM-peak probe."),
+    memcpy_mib: int = typer.Option(512, "--memcpy-mib", min=1, help="Size of the bandwidth probe's tensor."),
+    vs_transformers: bool = typer.Option(False, "--vs-transformers", help="Also time transformers (fp32)."),
 ) -> None:
-    """Prefill tokens/s and decode ms/step, ours vs transformers."""
+    """Prefill tok/s and decode ms/step per dtype, beside GEMM-peak and bandwidth floors."""
+    names = _parse_dtypes(dtypes)
+    counts = _parse_threads(threads)
+    sizes = _parse_ints(batch_sizes, "--batch-sizes")
     import torch
 
-    torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
-    sizes = [int(b) for b in batch_sizes.split(",") if b.strip()]
-    ours, hf, tokens, cfg = _load(model, prompt_tokens, context)
+    from engine import platform
+
+    load_before = _load()
+    print(f"machine: {platform.machine_summary()}; torch {torch.__version__} kernels "
+          f"{platform.torch_cpu_capability()}; load {load_before}", flush=True)
+    runners, tokens = _load_runners(model, names, prompt_tokens, context, max(sizes), repeats)
+    hf = _load_transformers(runners) if vs_transformers else None
+    first = next(iter(runners.values()))
+    cfg = first.model_config
     result = {
-        "model": cfg.name, "dtype": "float32", "threads": torch.get_num_threads(),
-        "prefill": _prefill(ours, hf, tokens[:prompt_tokens]),
-        "decode": [_decode(ours, hf, tokens, context, batch, steps) for batch in sizes],
+        "model": cfg.name, "machine": _machine(), "load_before": load_before,
+        "attention_backend": getattr(first.ops, "name", type(first.ops).__name__),
+        "weight_bytes": {n: _weight_bytes(r) for n, r in runners.items()},
+        "timing": "wall clock, best of repeats, dtypes alternating",
+        "runs": [],
     }
-    _print_table(result)
+    for t in counts:
+        torch.set_num_threads(t)
+        floors = _floors(names, gemm_size, memcpy_mib)
+        run = {"threads": t, "floors": floors,
+               "prefill": _prefill(runners, tokens[:prompt_tokens], floors, max(2, repeats // 2), hf),
+               "decode": [_decode(runners, tokens, context, b, repeats, floors, hf) for b in sizes]}
+        result["runs"].append(run)
+        _print_run(run, names)
+    result["load_after"] = _load()
+    print(f"load after: {result['load_after']}")
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {json_out}")
 
 
-def _load(model: str, prompt_tokens: int, context: int):
+# ---- arguments -------------------------------------------------------------------------------
+
+def _parse_ints(text: str, option: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise UserError(f"{option} {text!r}: expected comma-separated integers >= 1, e.g. 1,16,32")
+    return values
+
+
+def _parse_dtypes(text: str) -> list[str]:
+    from engine.platform import resolve_dtype_name
+
+    names = []
+    for name in (x.strip() for x in text.split(",") if x.strip()):
+        resolved = resolve_dtype_name(name, "cpu")  # UserError naming --dtype
+        if resolved not in names:
+            names.append(resolved)
+    if not names:
+        raise UserError(f"--dtypes {text!r}: give at least one of auto, float32, bfloat16, float16")
+    return names
+
+
+def _parse_threads(text: str | None) -> list[int]:
+    from engine.platform import available_cores, check_threads
+
+    n = len(available_cores())
+    if text is None:
+        return sorted({1, n})
+    return [check_threads(t, option="--threads") for t in _parse_ints(text, "--threads")]
+
+
+# ---- the machine -----------------------------------------------------------------------------
+
+def _load() -> str:
+    """uptime's 1/5/15-minute load averages and the core count, e.g. "2.31 1.90 1.20 (2 cores)"."""
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} {five:.2f} {fifteen:.2f} ({os.cpu_count()} cores)"
+
+
+def _machine() -> dict:
+    from engine import platform
+
+    flags = platform.cpu_flags()
+    return {"summary": platform.machine_summary(), "isa": platform.cpu_isa(),
+            "torch_capability": platform.torch_cpu_capability(),
+            "flags": sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")) or f == "bf16"),
+            "cores": platform.available_cores()}
+
+
+def _floors(dtypes: list[str], n: int, memcpy_mib: int) -> dict:
+    """GEMM peak FLOP/s per dtype and copy bandwidth (bytes read + written per s) at the current threads."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    gemm = {}
+    for name in dtypes:
+        dt = getattr(torch, name)
+        a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
+        best = _best(lambda: torch.mm(a, b), 4)
+        gemm[name] = 2 * n**3 / best
+    src = torch.ones(memcpy_mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    best = _best(lambda: dst.copy_(src), 5)
+    return {"gemm_flops": gemm, "gemm_size": n, "memcpy_bytes_per_s": 2 * src.numel() * 4 / best,
+            "memcpy_mib": memcpy_mib}
+
+
+def _best(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+# ---- the runtime -----------------------------------------------------------------------------
+
+def _load_runners(model: str, dtypes: list[str], prompt_tokens: int, context: int, max_batch: int, steps: int):
+    import torch
 
     from engine.model_loader import load_tokenizer
     from engine.model_runner import ModelRunner
 
-    ours = ModelRunner(model, block_size=16, kv_cache_memory_bytes=1 << 30)
-    cfg = ours.model_config
-    hf = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32).eval()
-    text = (SHARED_DATA / "wikitext-2-raw-test.txt").read_text()[:40000]
+    per_seq = -(-(context + 2 * steps + 4) // 16)
+    blocks = max_batch * per_seq + -(-prompt_tokens // 16) + 1
+    runners = {n: ModelRunner(model, block_size=16, num_blocks=blocks, dtype=getattr(torch, n)) for n in dtypes}
+    cfg = next(iter(runners.values())).model_config
+    text = (SHARED_DATA / "wikitext-2-raw-test.txt").read_text()[:60000]
     tokens = load_tokenizer(cfg.path)(text)["input_ids"]
-    assert len(tokens) >= max(prompt_tokens, context + 64)
-    return ours, hf, tokens, cfg
+    if len(tokens) < max(prompt_tokens, context + max_batch):
+        raise UserError(f"--prompt-tokens {prompt_tokens} / --context {context}: the text has only {len(tokens)} tokens")
+    return runners, tokens
 
 
-def _prefill(ours, hf, prompt: list[int], repeats: int = 3) -> dict:
+def _load_transformers(runners):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = next(iter(runners.values())).model_config.path
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _weight_bytes(runner) -> int:
+    return sum(p.numel() * p.element_size() for p in runner.model.parameters())
+
+
+def _linear_params(cfg) -> int:
+    """Parameters of every matmul a token goes through: the decoder's projections + the LM head."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+    return cfg.num_layers * per_layer, cfg.vocab_size * cfg.hidden_size
+
+
+def _prefill_flops(cfg, n: int) -> float:
+    layers, head = _linear_params(cfg)
+    attention = cfg.num_layers * 2 * n * n * cfg.num_heads * cfg.head_dim  # QK^T and PV, causal half
+    return 2 * layers * n + 2 * head + attention
+
+
+def _decode_flops(cfg, batch: int, context: int) -> float:
+    layers, head = _linear_params(cfg)
+    return 2 * (layers + head) * batch + cfg.num_layers * 4 * batch * context * cfg.num_heads * cfg.head_dim
+
+
+def _kv_bytes_read(runner, batch: int, context: int) -> int:
+    cfg = runner.model_config
+    elt = runner.kv_cache.data.element_size()
+    return batch * context * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elt
+
+
+def _prefill(runners: dict, prompt: list[int], floors: dict, repeats: int, hf) -> dict:
     import torch
 
     from engine.batch import SeqChunk
 
-    table = list(range(-(-len(prompt) // ours.block_size)))
-    x = torch.tensor([prompt])
+    table = list(range(-(-len(prompt) // 16)))
+    fns = {n: (lambda r=r: r.forward([SeqChunk(prompt, 0, table)])) for n, r in runners.items()}
+    if hf is not None:
+        x = torch.tensor([prompt])
 
-    def hf_prefill() -> None:
-        with torch.inference_mode():
-            hf(x, attention_mask=torch.ones_like(x), use_cache=True, logits_to_keep=1)
+        def hf_prefill() -> None:
+            with torch.inference_mode():
+                hf(x, attention_mask=torch.ones_like(x), use_cache=True, logits_to_keep=1)
 
-    ours_t, hf_t = _interleaved(lambda: ours.forward([SeqChunk(prompt, 0, table)]), hf_prefill, repeats)
-    n = len(prompt)
-    return {"prompt_tokens": n,
-            "ours_tok_s": n / ours_t["cpu"], "transformers_tok_s": n / hf_t["cpu"],
-            "ours_tok_s_wall": n / ours_t["wall"], "transformers_tok_s_wall": n / hf_t["wall"],
-            "ours_over_transformers": hf_t["cpu"] / ours_t["cpu"]}
+        fns["transformers_fp32"] = hf_prefill
+    best = _alternating(fns, repeats)
+    cfg = next(iter(runners.values())).model_config
+    flops = _prefill_flops(cfg, len(prompt))
+    out = {"prompt_tokens": len(prompt), "flops": flops}
+    for name, t in best.items():
+        peak = floors["gemm_flops"].get(name, floors["gemm_flops"].get("float32"))
+        floor_s = flops / peak
+        out[name] = {"tok_s": len(prompt) / t, "seconds": t, "floor_tok_s": len(prompt) / floor_s,
+                     "fraction_of_floor": floor_s / t}
+    return out
 
 
-def _decode(ours, hf, tokens: list[int], context: int, batch: int, steps: int) -> dict:
-    import torch
+def _decode(runners: dict, tokens: list[int], context: int, batch: int, steps: int, floors: dict, hf) -> dict:
+    fns = {n: _decode_step(r, tokens, context, batch, steps) for n, r in runners.items()}
+    if hf is not None:
+        fns["transformers_fp32"] = _hf_decode_step(hf, tokens, context, batch)
+    best = _alternating(fns, steps)
+    first = next(iter(runners.values()))
+    cfg = first.model_config
+    flops = _decode_flops(cfg, batch, context)
+    out = {"batch": batch, "context": context, "flops": flops}
+    for name, t in best.items():
+        runner = runners.get(name, runners.get("float32", first))
+        weight = _weight_bytes(runner)
+        peak = floors["gemm_flops"].get(name, floors["gemm_flops"].get("float32"))
+        mem_s, gemm_s = weight / floors["memcpy_bytes_per_s"], flops / peak
+        floor_s = max(mem_s, gemm_s)
+        out[name] = {"ms_per_step": 1000 * t, "floor_ms": 1000 * floor_s,
+                     "bound": "memory" if mem_s >= gemm_s else "compute", "fraction_of_floor": floor_s / t,
+                     "weight_bytes": weight, "kv_bytes_read": _kv_bytes_read(runner, batch, context)}
+    return out
 
+
+def _decode_step(runner, tokens: list[int], context: int, batch: int, steps: int) -> Callable[[], None]:
+    """A decode step over ``batch`` sequences of ``context`` tokens (filled by one prefill now);
+    each call appends one token to every sequence (the blocks cover warm-up + steps)."""
     from engine.batch import SeqChunk
 
-    blocks_per_seq = -(-(context + steps + 2) // ours.block_size)
-    tables = [list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)) for b in range(batch)]
+    per_seq = -(-(context + 2 * steps + 4) // runner.block_size)
+    tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
     prompts = [tokens[b: b + context] for b in range(batch)]  # different contents, same length
-    ours.forward([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)])
+    runner.forward([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)])
     state = {"pos": context, "next": [p[-1] for p in prompts]}
 
-    def ours_step() -> None:
-        logits = ours.forward([SeqChunk([n], state["pos"], t) for n, t in zip(state["next"], tables)])
+    def step() -> None:
+        logits = runner.forward([SeqChunk([n], state["pos"], t) for n, t in zip(state["next"], tables)])
         state["next"] = logits.argmax(-1).tolist()
         state["pos"] += 1
 
-    x = torch.tensor(prompts)
+    return step
+
+
+def _hf_decode_step(hf, tokens: list[int], context: int, batch: int) -> Callable[[], None]:
+    import torch
+
+    x = torch.tensor([tokens[b: b + context] for b in range(batch)])
     with torch.inference_mode():
         out = hf(x, attention_mask=torch.ones_like(x), use_cache=True, logits_to_keep=1)
-    hf_state = {"past": out.past_key_values, "next": out.logits[:, -1].argmax(-1, keepdim=True),
-                "mask": torch.ones_like(x)}
+    state = {"past": out.past_key_values, "next": out.logits[:, -1].argmax(-1, keepdim=True), "mask": torch.ones_like(x)}
 
-    def hf_step() -> None:
+    def step() -> None:
         with torch.inference_mode():
-            hf_state["mask"] = torch.cat([hf_state["mask"], torch.ones(batch, 1, dtype=torch.long)], dim=1)
-            o = hf(hf_state["next"], attention_mask=hf_state["mask"], past_key_values=hf_state["past"],
-                   use_cache=True, logits_to_keep=1)
-            hf_state["past"], hf_state["next"] = o.past_key_values, o.logits[:, -1].argmax(-1, keepdim=True)
+            state["mask"] = torch.cat([state["mask"], torch.ones(batch, 1, dtype=torch.long)], dim=1)
+            o = hf(state["next"], attention_mask=state["mask"], past_key_values=state["past"], use_cache=True,
+                   logits_to_keep=1)
+            state["past"], state["next"] = o.past_key_values, o.logits[:, -1].argmax(-1, keepdim=True)
 
-    ours_t, hf_t = _interleaved(ours_step, hf_step, steps)
-    return {"batch": batch, "context": context,
-            "ours_ms_per_step": 1000 * ours_t["cpu"], "transformers_ms_per_step": 1000 * hf_t["cpu"],
-            "ours_ms_per_step_wall": 1000 * ours_t["wall"], "transformers_ms_per_step_wall": 1000 * hf_t["wall"],
-            "ours_over_transformers": hf_t["cpu"] / ours_t["cpu"]}
+    return step
 
 
-def _interleaved(ours: Callable[[], object], theirs: Callable[[], object], repeats: int) -> tuple[dict, dict]:
-    """Median wall and CPU seconds of each, timed alternately after one warm-up each.
-
-    On a shared machine other processes' load lands on both alike; the CPU time (process time,
-    all threads) does not count time spent waiting for a core, so the comparison uses it.
-    """
-    ours(), theirs()
-    samples: dict[str, dict[str, list[float]]] = {"ours": {"wall": [], "cpu": []}, "theirs": {"wall": [], "cpu": []}}
+def _alternating(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Best wall seconds of each, after one warm-up each, the functions taking turns."""
+    for fn in fns.values():
+        fn()
+    best = {name: float("inf") for name in fns}
     for _ in range(repeats):
-        for name, fn in (("ours", ours), ("theirs", theirs)):
-            wall, cpu = time.perf_counter(), time.process_time()
+        for name, fn in fns.items():
+            t = time.perf_counter()
             fn()
-            samples[name]["cpu"].append(time.process_time() - cpu)
-            samples[name]["wall"].append(time.perf_counter() - wall)
-    med = {name: {k: statistics.median(v) for k, v in d.items()} for name, d in samples.items()}
-    return med["ours"], med["theirs"]
+            best[name] = min(best[name], time.perf_counter() - t)
+    return best
 
 
-def _print_table(r: dict) -> None:
-    p = r["prefill"]
-    print(f"model {r['model']}  {r['dtype']}  threads {r['threads']}   CPU time (wall in JSON); "
-          "speedup = transformers / ours")
-    print(f"{'measure':<28}{'ours':>12}{'transformers':>14}{'speedup':>9}")
-    print(f"{'prefill %d tok (tok/s)' % p['prompt_tokens']:<28}{p['ours_tok_s']:>12.0f}"
-          f"{p['transformers_tok_s']:>14.0f}{p['ours_over_transformers']:>8.2f}x")
-    for d in r["decode"]:
-        print(f"{'decode batch %d (ms/step)' % d['batch']:<28}{d['ours_ms_per_step']:>12.1f}"
-              f"{d['transformers_ms_per_step']:>14.1f}{d['ours_over_transformers']:>8.2f}x")
+# ---- the table -------------------------------------------------------------------------------
+
+def _print_run(run: dict, dtypes: list[str]) -> None:
+    f = run["floors"]
+    peaks = ", ".join(f"{_SHORT.get(n, n)} {v / 1e9:.0f}" for n, v in f["gemm_flops"].items())
+    print(f"\nthreads {run['threads']}: GEMM peak (GFLOP/s) {peaks}; memcpy {f['memcpy_bytes_per_s'] / 1e9:.0f} GB/s "
+          "(read + write)")
+    names = dtypes + (["transformers_fp32"] if "transformers_fp32" in run["prefill"] else [])
+    head = f"{'measure':<26}" + "".join(f"{_SHORT.get(n, n[:12]):>10}{'floor':>9}{'of floor':>9}" for n in names)
+    print(head)
+    p = run["prefill"]
+    row = f"{'prefill %d tok (tok/s)' % p['prompt_tokens']:<26}"
+    for n in names:
+        row += f"{p[n]['tok_s']:>10.0f}{p[n]['floor_tok_s']:>9.0f}{p[n]['fraction_of_floor']:>9.0%}"
+    print(row)
+    for d in run["decode"]:
+        row = f"{'decode b%d (ms/step)' % d['batch']:<26}"
+        for n in names:
+            x = d[n]
+            row += f"{x['ms_per_step']:>10.1f}{x['floor_ms']:>8.1f}{x['bound'][0]}{x['fraction_of_floor']:>9.0%}"
+        print(row)
+    print("floor: prefill FLOPs / GEMM peak; decode max(weight bytes / bandwidth (m), FLOPs / GEMM peak (c))")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,13 @@ SUPERVISE_INTERVAL_S = 0.5
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """What `pdserve serve` starts. mode "agg" starts `num_decode` agg workers and no prefill worker."""
+    """What `pdserve serve` starts. mode "agg" starts `num_decode` agg workers and no prefill worker.
+
+    dtype: a concrete dtype for every worker (the CLI resolves "auto" once, so P and D agree).
+    cpu_cores: the cores of each worker in `worker_configs()` order (prefill first), from
+    engine.platform.assign_cores; None = workers are not bound (a remote Ray cluster).
+    kv_cache_memory_bytes: per worker, used when num_blocks is None.
+    """
 
     model: str = "smollm2-135m-instruct"
     num_prefill: int = 1
@@ -42,6 +48,9 @@ class ClusterSpec:
     num_gpus_per_worker: float = 0.0
     num_cpus_per_worker: float = 1.0
     threads_per_worker: int = 1
+    cpu_cores: tuple[tuple[int, ...], ...] | None = None
+    dtype: str = "float32"
+    kv_cache_memory_bytes: int | None = None
     block_size: int = 16
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -68,12 +77,14 @@ class ClusterSpec:
                             device="cuda" if self.num_gpus_per_worker > 0 else "cpu", host=self.host,
                             block_size=self.block_size, max_model_len=self.max_model_len,
                             enable_prefix_caching=self.enable_prefix_caching,
-                            served_model_name=self.served_model_name, transfer_timeout_s=self.transfer_timeout_s)
+                            served_model_name=self.served_model_name, transfer_timeout_s=self.transfer_timeout_s,
+                            kv_cache_memory_bytes=self.kv_cache_memory_bytes, dtype=self.dtype)
         configs = []
         for role, n in roles:
             for i in range(n):
                 port = None if self.metrics_port is None else self.metrics_port + 1 + len(configs)
-                configs.append(replace(base, worker_id=f"{role}-{i}", role=role, metrics_port=port))
+                cores = None if self.cpu_cores is None else self.cpu_cores[len(configs) % len(self.cpu_cores)]
+                configs.append(replace(base, worker_id=f"{role}-{i}", role=role, metrics_port=port, cpu_cores=cores))
         return configs
 
 
@@ -81,7 +92,9 @@ class WorkerActor:
     """A worker process under Ray. Wrapped with ray.remote(max_restarts=-1) by `ClusterController`."""
 
     def __init__(self, config: WorkerConfig, registry_url: str | None = None, registry_ttl_s: float = 3.0) -> None:
-        os.environ.setdefault("OMP_NUM_THREADS", str(config.num_threads))
+        os.environ["OMP_NUM_THREADS"] = str(config.num_threads)
+        if config.cpu_cores:  # bind before torch starts its thread pool (the engine binds again, all threads)
+            os.sched_setaffinity(0, config.cpu_cores)
         self.config = config
         self._registry = (registry_url, registry_ttl_s)
         self._registration = None

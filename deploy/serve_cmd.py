@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from deploy import router_cmd
+from deploy import router_cmd, runtime_options
 from engine.errors import UserError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -53,7 +53,6 @@ def command(
                                          rich_help_panel=CLUSTER),
     num_cpus_per_worker: float = typer.Option(1.0, min=0.0, help="CPUs Ray reserves per worker.",
                                               rich_help_panel=CLUSTER),
-    num_blocks: int = typer.Option(512, min=1, help="KV blocks per worker.", rich_help_panel=SCHED),
     block_size: int = typer.Option(16, min=1, help="Tokens per KV block.", rich_help_panel=SCHED),
     max_num_seqs: int = typer.Option(32, min=1, help="Most requests in a worker's running batch.",
                                      rich_help_panel=SCHED),
@@ -94,6 +93,11 @@ def command(
     router_temperature: float = typer.Option(0.0, help=router_cmd.TEMPERATURE_HELP, rich_help_panel=ROUTER),
     routers: int = typer.Option(1, min=1, help="Router replicas (gRPC ports --port, --port+1, ...; HTTP likewise; "
                                 "metrics on the first).", rich_help_panel=ROUTER),
+    dtype: str = runtime_options.dtype_option(),
+    threads_per_worker: Optional[int] = runtime_options.threads_option(),
+    kv_cache_memory: Optional[str] = runtime_options.kv_memory_option(),
+    num_blocks: Optional[int] = runtime_options.num_blocks_option(),
+    max_num_batched_tokens: int = runtime_options.batched_tokens_option(),
 ) -> None:
     """pdserve serve [MODEL]: start the router and workers on Ray."""
     import asyncio
@@ -113,8 +117,19 @@ def command(
     _check_readable(chat_template, "--chat-template")
     if generation_config not in ("auto", "vllm"):
         _check_readable(Path(generation_config) / "generation_config.json", "--generation-config")
-    spec = ClusterSpec(model=model, num_prefill=prefill if mode == "disagg" else 0, num_decode=decode, mode=mode,
-                       kv_transport=kv_transport, num_blocks=num_blocks, max_num_seqs=max_num_seqs, host=host,
+    from engine.model_loader import resolve_model
+
+    num_prefill = prefill if mode == "disagg" else 0
+    # Checked here, before Ray or any worker starts; "auto" is resolved once so every worker agrees.
+    rt = runtime_options.resolve_runtime(
+        model_dir=resolve_model(model), dtype=dtype, threads_per_worker=threads_per_worker,
+        kv_cache_memory=kv_cache_memory, num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens,
+        num_workers=num_prefill + decode, device="cuda" if num_gpus_per_worker > 0 else "cpu",
+        block_size=block_size, max_num_seqs=max_num_seqs, bind_cores=not ray_address)
+    spec = ClusterSpec(model=model, num_prefill=num_prefill, num_decode=decode, mode=mode,
+                       dtype=rt.dtype, threads_per_worker=rt.threads, cpu_cores=rt.cores,
+                       kv_cache_memory_bytes=rt.kv_cache_memory_bytes, max_num_batched_tokens=rt.max_num_batched_tokens,
+                       kv_transport=kv_transport, num_blocks=rt.num_blocks, max_num_seqs=max_num_seqs, host=host,
                        metrics_port=None if metrics_port < 0 else metrics_port,
                        num_gpus_per_worker=num_gpus_per_worker, num_cpus_per_worker=num_cpus_per_worker,
                        block_size=block_size, max_model_len=max_model_len,
@@ -132,6 +147,7 @@ def command(
                           prefill_attempts=prefill_attempts, abort_timeout_s=abort_timeout,
                           worker_poll_interval_s=worker_poll_interval, worker_rpc_timeout_s=worker_rpc_timeout,
                           routing=routing)
+    print(f"pdserve: {rt.describe()}", flush=True)
     asyncio.run(_serve(spec, router, ray_address or None, routers))
 
 

@@ -25,7 +25,11 @@ def serving(ray_session):
     from deploy.local_cluster import LocalServing
     from router.app import RouterConfig
 
-    spec = ClusterSpec(mode="disagg", kv_transport="tcp", num_prefill=1, num_decode=1, num_blocks=256)
+    from engine.platform import assign_cores
+
+    cores = assign_cores(2, None)  # as `pdserve serve` deals them: each worker its own core(s)
+    spec = ClusterSpec(mode="disagg", kv_transport="tcp", num_prefill=1, num_decode=1, num_blocks=256,
+                       threads_per_worker=cores.threads, cpu_cores=cores.cores)
     with LocalServing(spec, RouterConfig(port=0, http_port=0, mode="disagg", max_waiting=64)) as s:
         yield s
 
@@ -52,6 +56,34 @@ def _chat_request(text: str, **sampling) -> api_pb2.GenerateRequest:
     req = api_pb2.GenerateRequest(model=MODEL, sampling=api_pb2.SamplingOptions(**sampling))
     req.chat.messages.add(role="user", content=text)
     return req
+
+
+# -- CPU affinity ---------------------------------------------------------------------------------
+def test_each_worker_process_runs_on_its_own_cores(serving):
+    """Every thread of each worker process (torch's pool, gRPC's, Ray's) is bound to the cores
+    the spec gave that worker, and two workers share none (unless there are fewer cores than workers)."""
+    import os
+
+    masks = {}
+    for cfg in serving.spec.worker_configs():
+        pid = serving.call(serving.controller.worker_pid(cfg.worker_id))
+        per_thread = _thread_masks(pid)
+        assert per_thread == {frozenset(cfg.cpu_cores)}, (cfg.worker_id, per_thread)
+        masks[cfg.worker_id] = set(cfg.cpu_cores)
+    if len(os.sched_getaffinity(0)) >= len(masks):
+        assert not set.intersection(*masks.values()), masks
+
+
+def _thread_masks(pid: int) -> set[frozenset[int]]:
+    import os
+
+    masks = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            masks.add(frozenset(os.sched_getaffinity(int(tid))))
+        except OSError:  # the thread ended meanwhile
+            pass
+    return masks
 
 
 # -- the OpenAI API ------------------------------------------------------------------------------

@@ -38,7 +38,10 @@ class WorkerError(Exception):
 @dataclass(frozen=True)
 class WorkerConfig:
     """One worker process. role: "prefill" | "decode" | "agg"; kv_transport: "nixl" | "torch" | "tcp"
-    (ignored by agg). num_blocks None = derive from kv_cache_memory_bytes."""
+    (ignored by agg). num_blocks None = derive from kv_cache_memory_bytes (None: the engine's default).
+    dtype: "auto" | "float32" | "bfloat16" | "float16" (the CLI passes the one it resolved, so
+    every worker of a cluster agrees). num_threads: torch threads; cpu_cores: the CPU ids this
+    worker's process is bound to (None: not bound)."""
 
     worker_id: str
     role: str
@@ -49,7 +52,10 @@ class WorkerConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_waiting: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    dtype: str = "float32"
     num_threads: int = 1
+    cpu_cores: tuple[int, ...] | None = None
     device: str = "cpu"            # "cuda" on GPU nodes (the actor declares num_gpus=1)
     host: str = "127.0.0.1"
     port: int = 0

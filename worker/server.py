@@ -122,8 +122,9 @@ def load_engine(config: WorkerConfig):
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_waiting=config.max_waiting, max_model_len=config.max_model_len),
         cache=CacheConfig(block_size=config.block_size, num_blocks=config.num_blocks,
+                          memory_bytes=config.kv_cache_memory_bytes,
                           enable_prefix_caching=config.enable_prefix_caching),
-        num_threads=config.num_threads, device=config.device))
+        dtype=config.dtype, num_threads=config.num_threads, cpu_cores=config.cpu_cores, device=config.device))
     return engine, model_dir, _runner(engine)
 
 
