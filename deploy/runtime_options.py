@@ -147,6 +147,17 @@ def _kv_size(model_dir: Path | None, dtype: str, kv_cache_memory: str | None, nu
     return None, kv_bytes
 
 
+def local_model_dir(model: str) -> Path | None:
+    """The model's HF-layout directory on this host, or None where this host cannot resolve it
+    (a path that exists only on the Ray cluster's nodes): the workers then report it."""
+    from engine.model_loader import resolve_model
+
+    try:
+        return resolve_model(model)
+    except UserError:
+        return None
+
+
 def default_kv_cache_bytes(num_workers: int, available: int | None) -> int:
     """DEFAULT_KV_CACHE_BYTES per worker, or DEFAULT_KV_MEMORY_FRACTION of the available memory
     shared among the workers if that is less (MiB-aligned)."""

@@ -117,12 +117,10 @@ def command(
     _check_readable(chat_template, "--chat-template")
     if generation_config not in ("auto", "vllm"):
         _check_readable(Path(generation_config) / "generation_config.json", "--generation-config")
-    from engine.model_loader import resolve_model
-
     num_prefill = prefill if mode == "disagg" else 0
     # Checked here, before Ray or any worker starts; "auto" is resolved once so every worker agrees.
     rt = runtime_options.resolve_runtime(
-        model_dir=resolve_model(model), dtype=dtype, threads_per_worker=threads_per_worker,
+        model_dir=runtime_options.local_model_dir(model), dtype=dtype, threads_per_worker=threads_per_worker,
         kv_cache_memory=kv_cache_memory, num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens,
         num_workers=num_prefill + decode, device="cuda" if num_gpus_per_worker > 0 else "cpu",
         block_size=block_size, max_num_seqs=max_num_seqs, bind_cores=not ray_address)
