@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engine.spec_decode.config import SpeculativeConfig
+
 Batching = Literal["continuous", "static"]
 
 
@@ -78,6 +80,7 @@ class EngineConfig:
     quantization: the decoder's linear method, "none" | "int8" | "fp8" (engine/quantization).
     kv_cache_dtype: "auto" (= dtype) | "fp8_e4m3" (calibrated scales stored beside the model).
     cpu_cores: CPU ids this engine's process is bound to (None = leave the affinity alone).
+    speculative: speculative decoding (engine/spec_decode/); None = off. Continuous batching only.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -89,6 +92,7 @@ class EngineConfig:
     quantization: str = "none"
     kv_cache_dtype: str = "auto"
     cpu_cores: tuple[int, ...] | None = None
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         from engine.quantization import KV_CACHE_DTYPES, QUANTIZATION_METHODS

@@ -1,10 +1,15 @@
 """LLMEngine: the synchronous core of continuous batching. One ``step()`` is
 
-    scheduler.schedule() -> plan
+    speculator.drafts(running) -> draft tokens per decode row      (speculative decoding only)
+    scheduler.schedule(drafts) -> plan
     ModelRunner.forward(plan's chunks, layer_hook) -> logits
     Sampler.sample(logits, params, per-request generators) -> tokens
+        (verification rows: engine/spec_decode/rejection.py:verify_one_hot)
     scheduler.update(plan, result) -> requests with new tokens
     detokenize (stop strings) -> RequestOutput per request
+
+Without speculation, or when every row's k is 0, a step is exactly the plain decode step: the
+same plan, one forward, one sampler call.
 
 Not thread-safe: call it from one thread (AsyncEngine runs it in a single worker thread).
 """
@@ -12,6 +17,7 @@ Not thread-safe: call it from one thread (AsyncEngine runs it in a single worker
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -78,6 +84,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, max_model_len=self.model_config.max_model_len,
                                    eos_token_ids=self.model_config.eos_token_ids)
         self.sampler = Sampler(self.model_config.eos_token_ids)
+        self.speculator = self._make_speculator(config)
         self._make_generator = make_generator
         self._streams: dict[str, _Stream] = {}
         self.layer_hook: LayerHook | None = None
@@ -87,6 +94,15 @@ class LLMEngine:
         self.kv_waste_samples: list[float] = []
         self.kv_usage_peak = 0.0
         self._template: ChatTemplate | None = None
+
+    def _make_speculator(self, config: EngineConfig):
+        if config.speculative is None:
+            return None
+        if config.scheduler.batching != "continuous":
+            raise ValueError("speculative decoding needs continuous batching")
+        from engine.spec_decode.speculator import Speculator
+
+        return Speculator(config.speculative, self.scheduler.max_model_len)
 
     # ---- requests ----------------------------------------------------------------------------
     def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
@@ -161,12 +177,16 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, apply. Returns one output per request that advanced."""
-        plan = self.scheduler.schedule()
+        spec = self.speculator
+        plan = self.scheduler.schedule(spec.drafts(self.scheduler.running) if spec is not None else None)
         self.last_step_ran = not plan.is_empty
         if plan.is_empty:
             return []
         self.kv_usage_peak = max(self.kv_usage_peak, self.block_manager.usage)
+        start = time.perf_counter()
         result = self._execute(plan)
+        if spec is not None:
+            spec.observe(plan, result, time.perf_counter() - start)
         updated = self.scheduler.update(plan, result)
         self.num_steps += 1
         self._sample_kv_metrics()
@@ -175,9 +195,14 @@ class LLMEngine:
     def _execute(self, plan: SchedulePlan) -> StepResult:
         chunks = [SeqChunk(c.token_ids, c.start_pos, c.block_ids, c.num_logits) for c in plan.chunks]
         logits = self.runner.forward(chunks, self._layer_hook_for(plan), pad_to_longest=plan.pad_to_longest)
+        if any(c.draft_token_ids for c in plan.chunks):
+            return self._verify(plan, logits)
         sampling = [c.request_id for c in plan.chunks if c.num_logits]
         if not sampling:
             return StepResult()
+        return self._sample(sampling, logits)
+
+    def _sample(self, sampling: list[str], logits) -> StepResult:
         from engine.sampler import RowHistory
 
         reqs = [self.scheduler.requests[rid] for rid in sampling]
@@ -185,6 +210,29 @@ class LLMEngine:
                                   [RowHistory(r.prompt_token_ids, r.output_token_ids) for r in reqs])
         logprobs = {rid: lp for rid, lp in zip(sampling, out.logprobs) if lp is not None} if out.logprobs else {}
         return StepResult(dict(zip(sampling, out.token_ids)), logprobs)
+
+    def _verify(self, plan: SchedulePlan, logits) -> StepResult:
+        """A step with verification rows: plain rows sampled as usual, each verification row's
+        k + 1 logits rows verified against its drafts."""
+        import torch
+
+        from engine.spec_decode.rejection import verify_one_hot
+
+        plain, plain_rows, spec, offsets, row = [], [], [], [], 0
+        for c in plan.chunks:
+            if c.draft_token_ids:
+                spec.append(c)
+                offsets.append(row)
+            elif c.num_logits:
+                plain.append(c.request_id)
+                plain_rows.append(row)
+            row += c.num_logits
+        result = self._sample(plain, logits[torch.tensor(plain_rows)]) if plain else StepResult()
+        reqs = [self.scheduler.requests[c.request_id] for c in spec]
+        emitted = verify_one_hot(self.sampler, logits, offsets, [c.draft_token_ids for c in spec],
+                                 [r.params for r in reqs], [self._streams[c.request_id].generator for c in spec],
+                                 [(r.prompt_token_ids, r.output_token_ids) for r in reqs])
+        return StepResult(result.sampled, result.logprobs, {c.request_id: t for c, t in zip(spec, emitted)})
 
     def _layer_hook_for(self, plan: SchedulePlan) -> Callable[[int], None] | None:
         hook = self.layer_hook
@@ -198,10 +246,9 @@ class LLMEngine:
     def _output(self, req: Request, logprobs: object | None = None) -> RequestOutput:
         stream = self._streams[req.request_id]
         new_ids = req.output_token_ids[stream.num_sent:]
+        delta = self._detokenize(req, stream, new_ids)
+        new_ids = req.output_token_ids[stream.num_sent:]
         stream.num_sent = len(req.output_token_ids)
-        delta = stream.detokenizer.step(new_ids)
-        if stream.detokenizer.stopped and not req.is_finished:
-            self.scheduler.finish(req.request_id, RequestState.FINISHED_STOPPED)
         reason = None
         if req.is_finished:
             delta += stream.detokenizer.finish()
@@ -210,6 +257,24 @@ class LLMEngine:
         held = list(self.block_manager.block_table(req.request_id)) if req.is_finished and req.hold_kv else None
         return RequestOutput(req.request_id, new_ids, delta, req.is_finished, reason, self._usage(req), held,
                              [logprobs] if logprobs is not None else None)
+
+    def _detokenize(self, req: Request, stream: _Stream, new_ids: list[int]) -> str:
+        """Text delta of new_ids. Several new tokens (a verification row) with stop strings go
+        one at a time: at a stop string the request ends there and the later tokens are dropped."""
+        detok = stream.detokenizer
+        if len(new_ids) <= 1 or not detok.stop:
+            delta = detok.step(new_ids)
+            n = len(new_ids)
+        else:
+            delta, n = "", 0
+            while n < len(new_ids) and not detok.stopped:
+                delta += detok.step(new_ids[n:n + 1])
+                n += 1
+        if detok.stopped:
+            del req.output_token_ids[stream.num_sent + n:]
+            if not req.is_finished:
+                self.scheduler.finish(req.request_id, RequestState.FINISHED_STOPPED)
+        return delta
 
     @staticmethod
     def _usage(req: Request) -> Usage:
@@ -242,4 +307,12 @@ class LLMEngine:
             running=len(s.running), waiting=len(s.waiting), waiting_for_remote_kv=len(s.remote), held_kv=len(s.held),
             num_preemptions=s.num_preemptions, prefix_cache_hit_tokens=bm.prefix_hit_tokens,
             prefix_cache_query_tokens=bm.prefix_query_tokens, num_evictions=bm.num_evictions,
-            num_steps=self.num_steps, block_size=bm.block_size)
+            num_steps=self.num_steps, block_size=bm.block_size, **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        if self.speculator is None:
+            return {}
+        c = self.speculator.counters
+        return dict(spec_num_drafts=c.num_drafts, spec_num_draft_tokens=c.num_draft_tokens,
+                    spec_num_accepted_tokens=c.num_accepted_tokens, spec_num_verify_steps=c.num_verify_steps,
+                    spec_k_histogram=tuple(c.k_histogram))

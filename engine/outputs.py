@@ -53,7 +53,14 @@ class ChunkInfo:
 @dataclass(frozen=True)
 class EngineStats:
     """kv_blocks_used counts blocks held by requests (running, waiting for remote KV, held for a
-    transfer); cached-but-free blocks count as free."""
+    transfer); cached-but-free blocks count as free.
+
+    Speculative decoding (all 0 when off): spec_num_drafts = verification rows (one request
+    verified in one step), spec_num_draft_tokens / spec_num_accepted_tokens = drafts verified /
+    accepted (acceptance rate = their ratio; mean accepted length = 1 + accepted / drafts rows),
+    spec_num_verify_steps = steps with a verification row, spec_k_histogram[k] = decode rows of
+    speculable requests that ran with k drafts (k = 0 included).
+    """
 
     kv_blocks_total: int
     kv_blocks_used: int
@@ -68,3 +75,8 @@ class EngineStats:
     num_evictions: int
     num_steps: int
     block_size: int
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_verify_steps: int = 0
+    spec_k_histogram: tuple[int, ...] = ()

@@ -15,9 +15,13 @@ class ScheduledChunk:
 
     token_ids: tokens at positions start_pos .. start_pos + len - 1.
     block_ids: the request's block table (covers every position of the chunk).
-    num_logits: 1 when the chunk ends at the request's last token (a token is sampled), else 0.
+    num_logits: 1 when the chunk ends at the request's last token (a token is sampled), else 0;
+        1 + len(draft_token_ids) for a verification row.
     is_last_chunk: the chunk reaches the end of the request's known tokens (prefill done).
     is_padding: static batching only; computed like a real token, result discarded.
+    draft_token_ids: speculative decoding: the drafts appended after the request's last token
+        (token_ids = (last token, *drafts)); their KV goes to lookahead slots reserved at schedule
+        time, and only the accepted ones count as computed afterwards.
     """
 
     request_id: str
@@ -27,6 +31,7 @@ class ScheduledChunk:
     num_logits: int
     is_last_chunk: bool
     is_padding: bool = False
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -62,7 +67,10 @@ class SchedulePlan:
 @dataclass(frozen=True)
 class StepResult:
     """sampled: request id -> the token sampled from its chunk's logits (chunks with num_logits).
-    logprobs: optional, request id -> whatever the sampler returned for it."""
+    logprobs: optional, request id -> whatever the sampler returned for it.
+    verified: verification rows: request id -> the tokens they emit (accepted drafts, then the
+        target's own token; 1 .. k + 1 tokens). Such a request has no entry in sampled."""
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, object] = field(default_factory=dict)
+    verified: dict[str, tuple[int, ...]] = field(default_factory=dict)

@@ -9,6 +9,11 @@ Request lifecycle (states in engine/request.py, legal moves in ``request.TRANSIT
    chunk of RUNNING requests still in prefill, then admits WAITING/PREEMPTED requests in FCFS
    order (reusing cached prefix blocks; the last admitted may get a partial chunk = chunked
    prefill). Admission stops at the first request that does not fit (no overtaking).
+   Speculative decoding: the engine passes draft tokens for some decode rows; after every decode
+   row has its token, each such row gets its drafts appended (a verification row of k + 1
+   tokens) if the budget and *lookahead* KV slots for them fit without preempting anyone, else
+   it stays a plain decode row. The lookahead blocks are allocated now, so the verification
+   forward never fails to allocate.
 3. When a running request needs a block and none is free, the newest running request not yet in
    this step's plan is preempted by recompute: RUNNING -> PREEMPTED, its blocks freed, its
    prompt + generated tokens requeued at the head of the queue (if none, the request itself).
@@ -16,7 +21,9 @@ Request lifecycle (states in engine/request.py, legal moves in ``request.TRANSIT
 5. ``update(plan, result)`` applies the step: computed counts, prefix-cache hashes for newly
    full blocks, sampled tokens, stop checks (proto/stop.py: EOS, stop token ids, max_tokens,
    max_model_len) -> FINISHED_STOPPED / FINISHED_LENGTH. Stop *strings* are found by the detokenizer and applied
-   with ``finish``.
+   with ``finish``. A verification row appends its emitted tokens one by one (a stop ends the run
+   and drops the rest); only the input token and the accepted drafts count as computed, so the
+   rejected drafts' slots are rewritten later and never enter the prefix cache or its hashes.
 6. Finishing frees the blocks, except for a ``hold_kv`` request (prefill worker): its blocks stay
    held until ``release_kv``. ``abort`` frees everything at any state (FINISHED_ABORTED).
 
@@ -26,7 +33,8 @@ With ``batching="static"`` steps 2-3 are replaced by engine/static_batching.py.
 from __future__ import annotations
 
 from collections import deque
-from typing import Sequence
+from dataclasses import replace
+from typing import Mapping, Sequence
 
 from engine.block_manager import NO_HIT, BlockManager, cdiv
 from engine.config import SchedulerConfig
@@ -48,6 +56,7 @@ class _PlanBuilder:
     def __init__(self, token_budget: int) -> None:
         self.budget = token_budget
         self.chunks: list[ScheduledChunk] = []
+        self.decode_rows: dict[str, int] = {}  # request id -> index of its one-token decode chunk
         self.scheduled: set[str] = set()
         self.preempted: list[str] = []
         self.freed: list[int] = []
@@ -55,10 +64,20 @@ class _PlanBuilder:
     def add(self, req: Request, num_tokens: int, block_ids: Sequence[int]) -> None:
         start = req.num_computed_tokens
         is_last = start + num_tokens == req.num_tokens
+        if is_last and num_tokens == 1:
+            self.decode_rows[req.request_id] = len(self.chunks)
         self.chunks.append(ScheduledChunk(req.request_id, tuple(req.all_token_ids[start:start + num_tokens]),
                                           start, tuple(block_ids), int(is_last), is_last))
         self.scheduled.add(req.request_id)
         self.budget -= num_tokens
+
+    def add_drafts(self, request_id: str, drafts: tuple[int, ...], block_ids: Sequence[int]) -> None:
+        """Turn the request's decode chunk into a verification row (last token + drafts)."""
+        i = self.decode_rows[request_id]
+        c = self.chunks[i]
+        self.chunks[i] = replace(c, token_ids=c.token_ids + drafts, block_ids=tuple(block_ids),
+                                 num_logits=1 + len(drafts), draft_token_ids=drafts)
+        self.budget -= len(drafts)
 
     def build(self) -> SchedulePlan:
         return SchedulePlan(tuple(self.chunks), tuple(self.preempted), tuple(self.freed))
@@ -137,11 +156,15 @@ class Scheduler:
         return req
 
     # ---- one step ----------------------------------------------------------------------------
-    def schedule(self) -> SchedulePlan:
+    def schedule(self, drafts: Mapping[str, tuple[int, ...]] | None = None) -> SchedulePlan:
+        """The next step's plan. drafts: request id -> draft tokens to verify on its decode row
+        (speculative decoding; ignored by static batching)."""
         if self._static is not None:
             return self._static.schedule()
         plan = _PlanBuilder(self.config.max_num_batched_tokens)
         self._schedule_running(plan, decoding=True)
+        if drafts:
+            self._attach_drafts(plan, drafts)
         self._schedule_running(plan, decoding=False)
         self._schedule_waiting(plan)
         return plan.build()
@@ -157,6 +180,16 @@ class Scheduler:
             num_tokens = min(req.num_uncomputed_tokens, plan.budget)
             if self._allocate_or_preempt(req, num_tokens, plan):
                 plan.add(req, num_tokens, self.bm.block_table(req.request_id))
+
+    def _attach_drafts(self, plan: _PlanBuilder, drafts: Mapping[str, tuple[int, ...]]) -> None:
+        """Lookahead slots for each row's drafts, within the budget, never preempting."""
+        for rid, tokens in drafts.items():
+            tokens = tuple(tokens[:max(plan.budget, 0)])
+            req = self.requests.get(rid)
+            if not tokens or rid not in plan.decode_rows or req is None:
+                continue
+            if self.bm.allocate(rid, req.num_computed_tokens + 1 + len(tokens)) is not None:
+                plan.add_drafts(rid, tokens, self.bm.block_table(rid))
 
     def _allocate_or_preempt(self, req: Request, num_tokens: int, plan: _PlanBuilder) -> bool:
         """Make room for ``num_tokens`` more tokens of ``req``, preempting newer requests as
@@ -216,6 +249,10 @@ class Scheduler:
             req = self.requests.get(chunk.request_id)
             if chunk.is_padding or req is None or req.state != RequestState.RUNNING:
                 continue  # padding, or aborted since the plan was made
+            if chunk.draft_token_ids:
+                self._apply_verified(req, result.verified[req.request_id])
+                updated.append(req)
+                continue
             req.num_computed_tokens += chunk.num_tokens
             self.bm.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
             if chunk.num_logits:
@@ -224,6 +261,16 @@ class Scheduler:
         if self._static is not None:
             self._static.after_update()
         return updated
+
+    def _apply_verified(self, req: Request, tokens: Sequence[int]) -> None:
+        """Append a verification row's tokens up to the first stop. The row's input token and
+        its n - 1 accepted drafts are computed; the n-th token (the target's) is not yet."""
+        for token_id in tokens:
+            self._append_token(req, token_id)
+            if req.is_finished:
+                return  # freed (or held); the tokens after the stop are dropped
+        req.num_computed_tokens += len(tokens)
+        self.bm.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
 
     def _append_token(self, req: Request, token_id: int) -> None:
         req.output_token_ids.append(token_id)

@@ -1,0 +1,52 @@
+"""Speculative-decoding configuration: a frozen dataclass, validated at construction. Pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Method = Literal["ngram", "draft"]
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """method: "ngram" (prompt lookup, no model) or "draft" (a draft model; not implemented yet).
+    num_speculative_tokens: the most draft tokens verified per request and step (k_max, 1..16);
+        with ``adaptive`` each request's k is chosen in 0..k_max every step.
+    ngram_max / ngram_min: n-gram lengths tried, longest first (``--spec-ngram-max/min``).
+    model / quantization: the draft model and its linear method (method "draft").
+    adaptive: choose k per request from its acceptance rate and the measured step-time model
+        (engine/spec_decode/adaptive.py); False = always propose up to k_max.
+    """
+
+    method: Method = "ngram"
+    num_speculative_tokens: int = 4
+    ngram_max: int = 4
+    ngram_min: int = 2
+    model: str | None = None
+    quantization: str = "none"
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "draft"):
+            raise ValueError(f"speculative method must be ngram or draft, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= spec ngram min <= spec ngram max, got {self.ngram_min}, {self.ngram_max}")
+        if self.method == "draft" and not self.model:
+            raise ValueError("speculative method draft needs a speculative model")
+
+    def compat_descriptor(self) -> str:
+        """What a prefill/decode pair must agree on (method, draft identity, k), as one string.
+        Used in the KV-transfer compatibility key (kv_transfer/base.py)."""
+        if self.method == "ngram":
+            return f"ngram:k={self.num_speculative_tokens}:n={self.ngram_min}-{self.ngram_max}"
+        return f"draft:{self.model}:{self.quantization}:k={self.num_speculative_tokens}"
+
+
+def compat_descriptor(config: SpeculativeConfig | None) -> str:
+    """The descriptor of an optional config ("none" without speculation)."""
+    return "none" if config is None else config.compat_descriptor()

@@ -1,0 +1,124 @@
+"""The engine's speculative-decoding state: proposer, per-request acceptance, step-time model,
+counters. Pure Python (the verification sampling is in rejection.py).
+
+Each step (engine/llm_engine.py):
+1. ``drafts(running)`` -> request id -> draft tokens, for decode rows only: the proposer
+   suggests up to each row's room, choose_k cuts each proposal to its k (k = 0: no entry).
+2. the scheduler attaches them to the rows' chunks (lookahead slots) and the runner verifies
+   every row's k + 1 positions inside the step's one forward;
+3. ``observe(plan, result, seconds)`` updates acceptance rates, the step-time model and the
+   counters.
+
+Penalties and min_tokens are honoured exactly: each draft position is sampled with the output
+extended by the drafts before it (rejection.verify_one_hot). Requests that ask for logprobs are
+never speculated (k = 0, the plain decode row): the verification path does not return them yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from engine.plan import SchedulePlan, StepResult
+from engine.request import Request, RequestState
+from proto.sampling import SamplingParams
+from engine.spec_decode.adaptive import AcceptanceRate, Candidate, StepTimeModel, choose_k
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.ngram import NgramProposer
+
+
+def can_speculate(params: SamplingParams) -> bool:
+    """Whether drafts for this request are verified (see the module docstring)."""
+    return getattr(params, "logprobs", None) is None
+
+
+@dataclass
+class SpecCounters:
+    """num_drafts: verification rows (requests verified, summed over steps);
+    num_draft_tokens / num_accepted_tokens: drafts verified / accepted;
+    num_verify_steps: steps with at least one verification row;
+    k_histogram[k]: decode rows of speculable requests scheduled with k drafts."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+    k_histogram: list[int] = field(default_factory=list)
+
+
+class Speculator:
+    """max_model_len: the scheduler's (positions never pass it)."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        if config.method != "ngram":
+            raise NotImplementedError("speculative method 'draft' is not implemented yet; use ngram")
+        self.config = config
+        self.max_model_len = max_model_len
+        self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
+        self.time_model = StepTimeModel()
+        self.acceptance: dict[str, AcceptanceRate] = {}
+        self.previous_k: dict[str, int] = {}
+        self.counters = SpecCounters(k_histogram=[0] * (config.num_speculative_tokens + 1))
+        self._candidates: frozenset[str] = frozenset()
+        self._other_tokens = 0  # prefill tokens of the last step: they share the next forward too
+
+    # ---- 1. proposing ------------------------------------------------------------------------
+    def room(self, req: Request) -> int:
+        """Most drafts worth verifying: k_max, and no draft past max_tokens or max_model_len."""
+        return max(0, min(self.config.num_speculative_tokens,
+                          req.params.max_tokens - len(req.output_token_ids) - 1,
+                          self.max_model_len - req.num_tokens - 1))
+
+    def drafts(self, running: Sequence[Request]) -> dict[str, tuple[int, ...]]:
+        """Draft tokens for the decode rows of the next step (only rows with k >= 1 appear)."""
+        decode = [r for r in running if r.state == RequestState.RUNNING and r.num_uncomputed_tokens == 1]
+        self._forget({r.request_id for r in running})
+        eligible = [r for r in decode if can_speculate(r.params)]
+        self._candidates = frozenset(r.request_id for r in eligible)
+        proposals = {r.request_id: self.proposer.propose(r.request_id, r.all_token_ids, self.room(r)) for r in eligible}
+        proposals = {rid: p for rid, p in proposals.items() if p}
+        if not proposals:
+            return {}
+        ks = self._choose(proposals, len(decode))
+        return {rid: p[:ks[rid]] for rid, p in proposals.items() if ks[rid]}
+
+    def _choose(self, proposals: dict[str, tuple[int, ...]], num_decode_rows: int) -> dict[str, int]:
+        if not self.config.adaptive:
+            return {rid: len(p) for rid, p in proposals.items()}
+        cands = [Candidate(rid, len(p), self._rate(rid).value, self.previous_k.get(rid, 0))
+                 for rid, p in proposals.items()]
+        return choose_k(cands, num_decode_rows + self._other_tokens, num_decode_rows, self.time_model)
+
+    def _rate(self, request_id: str) -> AcceptanceRate:
+        rate = self.acceptance.get(request_id)
+        if rate is None:
+            rate = self.acceptance[request_id] = AcceptanceRate()
+        return rate
+
+    def _forget(self, live: set[str]) -> None:
+        self.proposer.forget(live)
+        for table in (self.acceptance, self.previous_k):
+            for rid in [r for r in table if r not in live]:
+                del table[rid]
+
+    # ---- 3. after the step -------------------------------------------------------------------
+    def observe(self, plan: SchedulePlan, result: StepResult, seconds: float) -> None:
+        """Learn from a finished step: step time vs batched tokens, acceptance per request."""
+        self.time_model.observe(plan.num_batched_tokens, seconds)
+        c, verified, decode_tokens = self.counters, 0, 0
+        for chunk in plan.chunks:
+            k = len(chunk.draft_token_ids)
+            is_decode_row = chunk.num_tokens == chunk.num_logits == k + 1
+            decode_tokens += chunk.num_tokens if is_decode_row else 0
+            if is_decode_row and chunk.request_id in self._candidates:
+                c.k_histogram[k] += 1
+                self.previous_k[chunk.request_id] = k
+            if not k or chunk.request_id not in result.verified:
+                continue
+            accepted = len(result.verified[chunk.request_id]) - 1
+            self._rate(chunk.request_id).observe(k, accepted)
+            c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens = (c.num_drafts + 1, c.num_draft_tokens + k,
+                                                                       c.num_accepted_tokens + accepted)
+            verified += 1
+        c.num_verify_steps += bool(verified)
+        self._other_tokens = plan.num_batched_tokens - decode_tokens

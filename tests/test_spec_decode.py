@@ -1,0 +1,309 @@
+"""Speculative decoding without a model: the n-gram proposer, the adaptive-k choice, the
+rejection sampler's output distribution (chi-square over 10^5 seeded samples per position),
+and the scheduler's lookahead slots, rollback, stops inside an accepted run and abort."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.plan import StepResult
+from engine.request import Request, RequestState
+from engine.sampler import Sampler
+from proto.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.spec_decode.adaptive import AcceptanceRate, Candidate, StepTimeModel, choose_k
+from engine.spec_decode.config import SpeculativeConfig, compat_descriptor
+from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.rejection import rejection_sample, verify_one_hot
+from engine.spec_decode.speculator import Speculator, can_speculate
+
+EOS = 2
+VOCAB = 10
+NUM_SAMPLES = 100_000
+CHI2_CRIT_P001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88}
+CHI2_CRIT_9DOF_P001 = CHI2_CRIT_P001[VOCAB - 1]  # chi-square 0.1% upper tail, by degrees of freedom
+
+
+# ---- n-gram proposer ---------------------------------------------------------------------------
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    p = NgramProposer(1, 3)
+    #          0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 6, 7, 8, 9, 1, 6, 7, 3, 4, 6, 7]
+    # suffix (6, 7): the 2-gram's latest earlier occurrence ends at 7 -> propose tokens[8:]
+    assert p.propose("a", tokens, 3) == (3, 4, 6)
+    # the longer match (1, 6, 7) at 0..2 wins over the later (6, 7) at 6..7
+    assert p.propose("b", [1, 6, 7, 0, 0, 9, 6, 7, 2, 1, 6, 7], 2) == (0, 0)
+    assert p.propose("c", [1, 2, 3, 4], 3) == ()  # no earlier occurrence
+    assert p.propose("a", tokens, 0) == ()
+
+
+def test_ngram_index_is_incremental_and_forgets():
+    p = NgramProposer(2, 2)
+    tokens = [1, 2, 3, 1]
+    assert p.propose("a", tokens, 4) == ()
+    tokens.append(2)  # suffix (1, 2) now repeats
+    assert p.propose("a", tokens, 4) == (3, 1, 2)
+    p.forget({"b"})
+    assert p.num_tracked == 0
+
+
+# ---- adaptive k --------------------------------------------------------------------------------
+def test_step_time_model_fits_a_line():
+    m = StepTimeModel()
+    for b in (1, 8, 32, 64):
+        for _ in range(3):
+            m.observe(b, 0.010 + 0.002 * b)
+    assert m.a == pytest.approx(0.010, rel=1e-6) and m.b == pytest.approx(0.002, rel=1e-6)
+
+
+def test_choose_k_speculates_at_low_load_and_not_at_high_load():
+    flat = StepTimeModel(prior_a=0.020, prior_b=0.0002)  # drafts nearly free (memory-bound)
+    steep = StepTimeModel(prior_a=0.005, prior_b=0.002)  # each token costs 2 ms (compute-bound)
+    one = [Candidate("a", 4, 0.8)]
+    assert choose_k(one, 1, 1, flat) == {"a": 4}
+    many = [Candidate(f"r{i}", 4, 0.5) for i in range(32)]
+    assert set(choose_k(many, 32, 32, steep).values()) == {0}
+    # a request that accepts more gets its drafts first
+    mixed = [Candidate("good", 4, 0.9), Candidate("bad", 4, 0.1)]
+    ks = choose_k(mixed, 2, 2, StepTimeModel(prior_a=0.02, prior_b=0.002))
+    assert ks["good"] > ks["bad"] == 0
+
+
+def test_choose_k_hysteresis_keeps_the_previous_choice_near_the_break_even():
+    # 20 decode rows, alpha 0.5: one draft gains 0.5 / 20 = 2.5%; t(21) / t(20) - 1 = 2.5% too
+    m = StepTimeModel(prior_a=0.020, prior_b=0.001)
+    cands = lambda prev: [Candidate("x", 1, 0.5, prev)] + [Candidate(f"o{i}", 0, 0.5) for i in range(19)]  # noqa: E731
+    assert m.predict(21) / m.predict(20) - 1 == pytest.approx(0.5 / 20)
+    assert choose_k(cands(1), 20, 20, m)["x"] == 1  # kept
+    assert choose_k(cands(0), 20, 20, m)["x"] == 0  # not started
+
+
+def test_acceptance_rate_counts_the_first_rejection_only():
+    r = AcceptanceRate(prior=0.5, prior_weight=2.0, decay=1.0)
+    r.observe(4, 4)
+    assert r.value == pytest.approx(5 / 6)
+    r.observe(4, 0)
+    assert r.value == pytest.approx(5 / 7)
+
+
+def test_config_validation_and_compat_descriptor():
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig(num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="ngram"):
+        SpeculativeConfig(ngram_min=3, ngram_max=2)
+    with pytest.raises(ValueError, match="speculative model"):
+        SpeculativeConfig(method="draft")
+    assert compat_descriptor(None) == "none"
+    assert compat_descriptor(SpeculativeConfig(num_speculative_tokens=3)) != compat_descriptor(SpeculativeConfig())
+
+
+def test_requests_with_logprobs_are_not_speculated():
+    assert can_speculate(SamplingParams(frequency_penalty=1.0, min_tokens=2, max_tokens=4))
+    assert not can_speculate(SamplingParams(logprobs=0))
+
+
+def test_verification_applies_penalties_and_min_tokens_per_position():
+    """Each position sees the drafts before it as output: a frequency penalty on the accepted
+    draft changes the next position's argmax; min_tokens = 2 with one output token masks EOS at
+    the first position only."""
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 4] = 1.0  # 4 is the argmax everywhere without penalties
+    logits[:, 5] = 0.5
+    greedy_pen = SamplingParams(temperature=0, frequency_penalty=2.0)
+    (out,) = verify_one_hot(Sampler(), logits, [0], [(4, 4)], [greedy_pen], [None], [([1], [])])
+    assert out == (4, 5)  # position 1 penalises the accepted 4
+    logits[:, EOS] = 3.0
+    min_tok = SamplingParams(temperature=0, min_tokens=2, max_tokens=8)
+    sampler = Sampler(eos_token_ids=(EOS,))
+    assert verify_one_hot(sampler, logits, [0], [(EOS,)], [min_tok], [None], [([1], [7])]) == [(4,)]
+    assert verify_one_hot(sampler, logits, [0], [(4, EOS)], [min_tok], [None], [([1], [7])]) == [(4, EOS, EOS)]
+
+
+# ---- rejection sampling: the output distribution is the target's ------------------------------
+def _chi2(counts: torch.Tensor, p: torch.Tensor) -> float:
+    expected = p * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def _fixed_p_q(k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    p = torch.rand(k + 1, VOCAB, generator=g) ** 2 + 0.02
+    q = torch.rand(k, VOCAB, generator=g) ** 2 + 0.02
+    return p / p.sum(1, keepdim=True), q / q.sum(1, keepdim=True)
+
+
+def _run_rejection(p: torch.Tensor, q: torch.Tensor, seed: int, sampler=rejection_sample):
+    k = q.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    drafts = torch.stack([torch.multinomial(q[j], NUM_SAMPLES, replacement=True, generator=g) for j in range(k)], 1)
+    return sampler(p.expand(NUM_SAMPLES, -1, -1), q.expand(NUM_SAMPLES, -1, -1), drafts, g)
+
+
+def _position_counts(num_accepted: torch.Tensor, tokens: torch.Tensor, j: int) -> torch.Tensor:
+    """Tokens emitted at output position j by the samples that reached it."""
+    reached = num_accepted >= j
+    return torch.bincount(tokens[reached, j], minlength=VOCAB).float()
+
+
+def _wrong_sampler(target, draft, ids, generator):
+    """Accepts like the right rule but resamples from p (not the residual) after a rejection."""
+    num_rows, k = ids.shape
+    ratio = target[:, :k].gather(2, ids.unsqueeze(2)).squeeze(2) / draft.gather(2, ids.unsqueeze(2)).squeeze(2)
+    accept = torch.rand(num_rows, k, generator=generator) < ratio
+    num_accepted = accept.long().cumprod(1).sum(1)
+    rows = torch.arange(num_rows)
+    final = torch.multinomial(target[rows, num_accepted], 1, generator=generator).squeeze(1)
+    tokens = torch.where(torch.arange(k + 1) < num_accepted.unsqueeze(1), torch.cat([ids, ids[:, :1]], 1), -1)
+    tokens[rows, num_accepted] = final
+    return num_accepted, tokens
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_rejection_sampler_preserves_the_target_distribution(k):
+    p, q = _fixed_p_q(k)
+    num_accepted, tokens = _run_rejection(p, q, seed=1)
+    for j in range(k + 1):
+        counts = _position_counts(num_accepted, tokens, j)
+        assert counts.sum() > 5000
+        assert _chi2(counts, p[j]) < CHI2_CRIT_9DOF_P001, f"position {j}"
+    wrong_acc, wrong_tokens = _run_rejection(p, q, seed=1, sampler=_wrong_sampler)
+    assert _chi2(_position_counts(wrong_acc, wrong_tokens, 0), p[0]) > 10 * CHI2_CRIT_9DOF_P001
+    # seeded runs are reproducible
+    again = _run_rejection(p, q, seed=1)
+    assert torch.equal(again[1], tokens)
+
+
+def test_rejection_sampler_accepts_everything_when_draft_equals_target():
+    p, _ = _fixed_p_q(2)
+    num_accepted, _ = _run_rejection(p, p[:2].clone(), seed=2)
+    assert int(num_accepted.min()) == 2
+
+
+def test_one_hot_verification_preserves_the_target_distribution():
+    """The n-gram path: fixed drafts (one-hot q), the engine's Sampler at temperature 0.7 and
+    top-p 0.9 applied to the target; each emitted position follows the transformed p."""
+    k, n = 2, 30_000  # the per-row Sampler path is slower than rejection_sample's
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(k + 1, VOCAB, generator=g) * 2
+    drafts = [int(logits[j].argmax()) for j in range(k)]  # likely tokens: many accepted
+    params = SamplingParams(temperature=0.7, top_p=0.9)
+    big = logits.repeat(n, 1)
+    gens = [torch.Generator().manual_seed(i) for i in range(n)]
+    out = verify_one_hot(Sampler(), big, [i * (k + 1) for i in range(n)], [drafts] * n, [params] * n, gens)
+    from engine.sampler import apply_top_k_top_p
+    target = apply_top_k_top_p(logits / 0.7, torch.full((k + 1,), VOCAB), torch.full((k + 1,), 0.9)).softmax(-1)
+    for j in range(k + 1):
+        counts = torch.bincount(torch.tensor([t[j] for t in out if len(t) > j]), minlength=VOCAB).float()
+        support = target[j] > 0
+        assert counts[~support].sum() == 0
+        crit = CHI2_CRIT_P001[int(support.sum()) - 1]
+        assert _chi2(counts[support], target[j][support]) < crit, f"position {j}"
+    assert sum(len(t) - 1 for t in out) > n // 2  # drafts really were accepted
+
+
+# ---- scheduler: lookahead slots, rollback, stops, abort ---------------------------------------
+def make(num_blocks=64, block_size=4, **cfg) -> Scheduler:
+    cfg.setdefault("max_num_batched_tokens", 32)
+    cfg.setdefault("max_num_seqs", 4)
+    return Scheduler(SchedulerConfig(**cfg), BlockManager(num_blocks, block_size, watermark=0.0),
+                     max_model_len=1024, eos_token_ids=(EOS,))
+
+
+def decoding(s: Scheduler, rid: str, n: int = 6, prompt: list[int] | None = None, **params) -> Request:
+    """A request whose n-token prompt is computed and that sampled one token (7); the step
+    also decodes every request already running."""
+    params.setdefault("max_tokens", 16)
+    r = Request(rid, prompt or list(range(100, 100 + n)), SamplingParams(temperature=0, **params))
+    s.add(r)
+    plan = s.schedule()
+    s.update(plan, StepResult({c.request_id: 7 for c in plan.chunks if c.num_logits}))
+    return r
+
+
+def test_drafts_become_a_verification_row_with_lookahead_slots():
+    s = make()
+    r = decoding(s, "a")  # 7 tokens, 6 computed, 2 blocks of 4
+    assert len(s.bm.block_table("a")) == 2
+    plan = s.schedule({"a": (8, 9, 10, 11)})
+    (c,) = plan.chunks
+    assert (c.token_ids, c.start_pos, c.num_logits, c.draft_token_ids) == ((7, 8, 9, 10, 11), 6, 5, (8, 9, 10, 11))
+    assert len(c.block_ids) == 3  # positions 6..10 need a third block, reserved now
+    # two drafts accepted, then the target's own token 42
+    s.update(plan, StepResult(verified={"a": (8, 9, 42)}))
+    assert r.output_token_ids == [7, 8, 9, 42]
+    assert r.num_computed_tokens == 9  # the row's input token and the two accepted drafts
+    assert r.num_uncomputed_tokens == 1
+    # only full *computed* blocks are hashed: block 1 holds positions 4..7 (104 105 7 8)
+    assert len(s.bm._hashes["a"]) == 2
+    plan = s.schedule()
+    assert [(c.start_pos, c.token_ids) for c in plan.chunks] == [(9, (42,))]  # rewrites the rejected slot 9
+
+
+def test_rejected_drafts_never_enter_the_prefix_cache():
+    s = make()
+    decoding(s, "a", n=3)  # tokens 100 101 102 7, computed 3
+    plan = s.schedule({"a": (50, 51, 52, 53, 54)})  # positions 3..8
+    s.update(plan, StepResult(verified={"a": (60,)}))  # the first draft rejected
+    assert len(s.bm._hashes["a"]) == 1  # block 0 (100 101 102 7): the input token is real
+    cached_tokens = {b.token_ids for b in s.bm.blocks if b.block_hash is not None}
+    assert cached_tokens == {(100, 101, 102, 7)}
+
+
+def test_drafts_do_not_preempt_and_respect_the_budget():
+    s = make(num_blocks=5, max_num_batched_tokens=16, max_num_seqs=2)
+    decoding(s, "a", n=7, max_tokens=8)  # 2 blocks
+    decoding(s, "b", prompt=list(range(200, 207)), max_tokens=8)  # 2 blocks: one block left
+    plan = s.schedule({"a": (1, 2, 3), "b": (1, 2, 3)})
+    assert [c.draft_token_ids for c in plan.chunks] == [(1, 2, 3), ()]  # b's lookahead does not fit: plain row
+    assert s.num_preemptions == 0 and s.bm.num_free_blocks == 0
+    s = make(max_num_batched_tokens=6, max_num_seqs=2)
+    decoding(s, "a", n=4)
+    decoding(s, "b", n=4)
+    plan = s.schedule({"a": (1, 2, 3), "b": (1, 2, 3)})
+    assert [c.num_tokens for c in plan.chunks] == [4, 2]  # 2 decode rows first, then 4 draft tokens
+
+
+@pytest.mark.parametrize("stop, emitted, expect_out, reason", [
+    ({}, (8, EOS, 9), [7, 8, EOS], RequestState.FINISHED_STOPPED),
+    ({"stop_token_ids": (8,)}, (8, 9, 10), [7, 8], RequestState.FINISHED_STOPPED),
+    ({"max_tokens": 3}, (8, 9, 10), [7, 8, 9], RequestState.FINISHED_LENGTH),
+])
+def test_stop_inside_an_accepted_run_drops_the_later_tokens(stop, emitted, expect_out, reason):
+    s = make()
+    r = decoding(s, "a", **stop)
+    plan = s.schedule({"a": (8, 9)})
+    s.update(plan, StepResult(verified={"a": emitted}))
+    assert r.output_token_ids == expect_out and r.state == reason
+    assert s.bm.num_used_blocks == 0
+    s.bm.check_invariants()
+
+
+def test_abort_mid_verification_frees_every_block():
+    s = make()
+    decoding(s, "a")
+    decoding(s, "b", prompt=list(range(200, 206)))
+    plan = s.schedule({"a": (1, 2, 3, 4, 5, 6), "b": (1, 2)})
+    assert s.bm.num_used_blocks == 4 + 3  # a: 7 computed + 1 + 6 drafts; b: 6 + 1 + 2
+    s.abort("a")  # while the verification forward runs
+    out = s.update(plan, StepResult(verified={"a": (1, 2, 9), "b": (1, 9)}))
+    assert [r.request_id for r in out] == ["b"]
+    s.abort("b")
+    assert s.bm.num_used_blocks == 0 and not s.requests
+    s.bm.check_invariants()
+
+
+def test_speculator_room_and_counters():
+    s = make()
+    decoding(s, "a", prompt=[7, 8, 9, 3, 3, 3], max_tokens=4)  # + 7: the 1-gram (7) matches at 0
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4, ngram_min=1, adaptive=False), max_model_len=1024)
+    drafts = spec.drafts(s.running)
+    assert drafts == {"a": (8, 9)}  # max_tokens 4, one output so far: 2 drafts + the target's token
+    plan = s.schedule(drafts)
+    result = StepResult(verified={"a": (drafts["a"][0], 42)})
+    spec.observe(plan, result, 0.01)
+    c = spec.counters
+    assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, c.num_verify_steps) == (1, 2, 1, 1)
+    assert c.k_histogram == [0, 0, 1, 0, 0]

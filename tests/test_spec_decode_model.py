@@ -1,0 +1,152 @@
+"""Speculative decoding with the real SmolLM2 model (n-gram proposer): greedy output is
+token-identical to greedy without speculation (16 ShareGPT prompts, alone and as a batch of 16,
+near-tie rule), a stop string inside an accepted run ends the request at the right token, and
+k = 0 steps run exactly the forwards of a non-speculative engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from proto.sampling import SamplingParams
+from engine.spec_decode.adaptive import StepTimeModel
+from engine.spec_decode.config import SpeculativeConfig
+from engine_helpers import first_near_tie, run_to_completion
+
+pytestmark = pytest.mark.model
+
+NUM_PROMPTS, MAX_TOKENS, PROMPT_CHARS = 16, 12, 256
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+ALWAYS = SpeculativeConfig(num_speculative_tokens=4, adaptive=False)  # speculate whenever n-gram matches
+
+
+@pytest.fixture(scope="module")
+def runner(model_path):
+    from engine.model_runner import ModelRunner
+
+    torch.set_num_threads(2)
+    return ModelRunner(model_path, block_size=16, num_blocks=600)
+
+
+def chat(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              tokenize=True)["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    from conftest import sharegpt_prompts
+
+    return [chat(tokenizer, p[:PROMPT_CHARS]) for p in sharegpt_prompts(NUM_PROMPTS)]
+
+
+def engine(runner, tokenizer, spec: SpeculativeConfig | None, **sched) -> LLMEngine:
+    cfg = EngineConfig(scheduler=SchedulerConfig(**sched), cache=CacheConfig(num_blocks=600), speculative=spec)
+    return LLMEngine(cfg, runner=runner, tokenizer=tokenizer)
+
+
+def _reference_with_gaps(runner, tokenizer, prompts):
+    eng = engine(runner, tokenizer, None)
+    ids = [f"ref-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        eng.add_request(rid, p, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2))
+    tokens = {rid: [] for rid in ids}
+    gaps = {rid: [] for rid in ids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            tokens[o.request_id] += o.new_token_ids
+            gaps[o.request_id] += [lp.top[0][1] - lp.top[1][1] for lp in o.logprobs or []]
+    return [(tokens[r], gaps[r]) for r in ids]
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(runner, tokenizer, prompts):
+    return _reference_with_gaps(runner, tokenizer, prompts)
+
+
+def assert_same_tokens(got: list[list[int]], reference) -> None:
+    for i, (tokens, (ref, gaps)) in enumerate(zip(got, reference)):
+        cut = first_near_tie(gaps)
+        assert tokens[:cut] == ref[:cut], f"prompt {i}: {tokens} != {ref} (first near tie at {cut})"
+        if cut == len(ref):
+            assert tokens == ref, f"prompt {i}"
+
+
+def test_greedy_ngram_is_token_identical_in_a_batch_and_alone(runner, tokenizer, prompts, greedy_reference):
+    batch = engine(runner, tokenizer, ALWAYS)
+    outs = run_to_completion(batch, prompts, GREEDY)
+    assert_same_tokens([o.token_ids for o in outs], greedy_reference)
+    st = batch.stats()
+    assert st.spec_num_accepted_tokens > 0 and st.spec_num_draft_tokens > st.spec_num_accepted_tokens
+    assert st.kv_blocks_used == 0
+    batch.block_manager.check_invariants()
+
+    alone = engine(runner, tokenizer, ALWAYS)
+    outs = [run_to_completion(alone, [p], GREEDY)[0] for p in prompts]
+    assert_same_tokens([o.token_ids for o in outs], greedy_reference)
+    assert alone.stats().spec_num_accepted_tokens > 0
+
+
+def test_stop_string_inside_an_accepted_run(runner, tokenizer):
+    """Find a step that emitted >= 3 tokens, make the text of its second token the stop string:
+    the request must end right after that token, with the same text as without speculation."""
+    text = "The quick brown fox jumps over the lazy dog while the small cat sleeps on the warm mat."
+    prompt = chat(tokenizer, f"Repeat this sentence three times:\n\n{text}")
+    params = SamplingParams(temperature=0, max_tokens=48)
+    eng = engine(runner, tokenizer, ALWAYS)
+    eng.add_request("probe", prompt, params)
+    runs, tokens = [], []
+    while eng.has_unfinished():
+        for o in eng.step():
+            runs.append((len(tokens), o.new_token_ids))
+            tokens += o.new_token_ids
+    start, run = next((s, r) for s, r in runs if len(r) >= 3 and s > 0)
+    full = tokenizer.decode(tokens, skip_special_tokens=True)
+    before = tokenizer.decode(tokens[:start + 1], skip_special_tokens=True)
+    stop = tokenizer.decode(tokens[start + 1:start + 2], skip_special_tokens=True)
+    assert stop.strip() and full.find(stop) >= len(before) - len(stop), "pick a stop string that is new here"
+    stopped = SamplingParams(temperature=0, max_tokens=48, stop=(stop,))
+    got = run_to_completion(engine(runner, tokenizer, ALWAYS), [prompt], stopped)[0]
+    plain = run_to_completion(engine(runner, tokenizer, None), [prompt], stopped)[0]
+    assert got.finish_reason == plain.finish_reason == "stop"
+    assert got.token_ids == plain.token_ids == tokens[:start + 2]
+    assert got.text == plain.text
+
+
+class _Recorder:
+    """Wraps a runner's forward and records every call's chunks."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.calls = runner, []
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def forward(self, chunks, *args, **kwargs):
+        self.calls.append([(tuple(c.token_ids), c.start_pos, c.num_logits) for c in chunks])
+        return self.runner.forward(chunks, *args, **kwargs)
+
+
+def test_k_zero_runs_exactly_the_plain_forwards(runner, tokenizer, prompts, greedy_reference):
+    """Speculation on, but a step-time model where every draft costs more than it gains: every
+    step chooses k = 0 and must run the same forwards (tokens, positions, logits) as no speculation."""
+    plain_rec, spec_rec = _Recorder(runner), _Recorder(runner)
+    plain = engine(plain_rec, tokenizer, None)
+    spec = engine(spec_rec, tokenizer, SpeculativeConfig(num_speculative_tokens=4))
+    costly = StepTimeModel()
+    costly.observe = lambda *a: None
+    costly.predict = lambda num_tokens: 10.0 ** num_tokens  # each token costs more than any gain
+    spec.speculator.time_model = costly
+    a = run_to_completion(plain, prompts[:4], GREEDY)
+    b = run_to_completion(spec, prompts[:4], GREEDY)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert spec_rec.calls == plain_rec.calls
+    hist = spec.stats().spec_k_histogram
+    assert hist[0] > 0 and sum(hist[1:]) == 0 and spec.stats().spec_num_drafts == 0
+    # and with drafts it does fewer forwards for the same tokens
+    fewer_rec = _Recorder(runner)
+    c = run_to_completion(engine(fewer_rec, tokenizer, ALWAYS), prompts[:4], GREEDY)
+    assert_same_tokens([o.token_ids for o in c], greedy_reference[:4])
+    assert len(fewer_rec.calls) < len(plain_rec.calls)
