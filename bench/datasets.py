@@ -1,4 +1,5 @@
-"""Workloads for the serving benchmark: ShareGPT prompts, random prompts, shared-prefix prompts.
+"""Workloads for the serving benchmark: ShareGPT prompts, random prompts, shared-prefix prompts,
+and an input-grounded one (the answer repeats much of the prompt: speculative decoding's case).
 
 Each loader returns a list of ``SampleRequest``; nothing here does I/O beyond reading the dataset
 file. Lengths are in tokens of ``tokenizer`` when one is given; without a tokenizer, random and
@@ -10,7 +11,7 @@ report then gives the true count).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -18,7 +19,8 @@ import numpy as np
 
 from engine.errors import UserError
 
-DATASETS = ("sharegpt", "random", "prefix")
+DATASETS = ("sharegpt", "random", "prefix", "grounded")
+GROUNDED_TEMPLATE = "Fix the grammar of this text and reply with the corrected text only.\n\nText:\n{}\n\nCorrected text:\n"
 DEFAULT_SHAREGPT_OUTPUT_LEN = 128
 
 # Used when no tokenizer is available: short, frequent words that BPE vocabularies keep whole.
@@ -89,6 +91,8 @@ def load_requests(cfg: DatasetConfig, tokenizer: Tokenizer | None) -> list[Sampl
         return sharegpt_requests(cfg, tokenizer, rng)
     if cfg.name == "random":
         return random_requests(cfg, tokenizer, rng)
+    if cfg.name == "grounded":
+        return grounded_requests(cfg, tokenizer, rng)
     return prefix_requests(cfg, tokenizer, rng)
 
 
@@ -156,6 +160,26 @@ def sharegpt_requests(cfg: DatasetConfig, tokenizer: Tokenizer | None,
         if out_len is None and reply and tokenizer:
             out_len = max(1, len(tokenizer.encode(reply, add_special_tokens=False)))
         out.append(SampleRequest(prompt, prompt_len, out_len or DEFAULT_SHAREGPT_OUTPUT_LEN))
+    return out
+
+
+def grounded_requests(cfg: DatasetConfig, tokenizer: Tokenizer | None,
+                      rng: np.random.Generator) -> list[SampleRequest]:
+    """"Fix the grammar of this text" over ShareGPT prompts (GROUNDED_TEMPLATE): the reply mostly
+    copies the text, as in editing, summarising or code-rewriting requests. Each text is cut to
+    about ``--input-len`` tokens (4 characters a token when no tokenizer is given); output length
+    ``--max-tokens``, else the text's length capped at ``--output-len``."""
+    base = sharegpt_requests(replace(cfg, max_tokens=1), None, rng)
+    out = []
+    for r in base:
+        text = r.prompt[: 4 * cfg.input_len]
+        if tokenizer is not None:
+            ids = tokenizer.encode(text, add_special_tokens=False)[: cfg.input_len]
+            text = tokenizer.decode(ids)
+        prompt = GROUNDED_TEMPLATE.format(text)
+        text_len = _token_len(text, tokenizer) or len(text) // 4
+        out.append(SampleRequest(prompt, _token_len(prompt, tokenizer),
+                                 cfg.max_tokens or max(1, min(cfg.output_len, text_len))))
     return out
 
 

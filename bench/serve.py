@@ -45,7 +45,7 @@ def command(
     url: Annotated[Optional[str], typer.Option(help="openai: http://HOST:PORT; pdserve-grpc: HOST:PORT.")] = None,
     model: Annotated[Optional[str], typer.Option(help="Model name sent to the target (default: the first one it lists).")] = None,
     tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer dir/id for token counts (default: pdserve's model of that name).")] = None,
-    dataset: Annotated[str, typer.Option(help="sharegpt | random | prefix.", rich_help_panel=_WORKLOAD)] = "sharegpt",
+    dataset: Annotated[str, typer.Option(help="sharegpt | random | prefix | grounded (fix the grammar of a ShareGPT text: the reply repeats the prompt).", rich_help_panel=_WORKLOAD)] = "sharegpt",
     dataset_path: Annotated[Optional[Path], typer.Option(help="ShareGPT JSONL ({'prompt'}) or original JSON list (default: ../shared/data/sharegpt_prompts.jsonl).", rich_help_panel=_WORKLOAD)] = None,
     num_prompts: Annotated[int, typer.Option(help="Measured requests per rate.", rich_help_panel=_WORKLOAD)] = 100,
     max_tokens: Annotated[Optional[int], typer.Option(help="Output tokens per request (overrides the dataset's lengths).", rich_help_panel=_WORKLOAD)] = None,

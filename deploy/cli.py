@@ -20,6 +20,7 @@ from bench import offline as bench_offline
 from bench import peers as bench_peers
 from bench import profile as bench_profile
 from bench import serve as bench_serve
+from bench import spec as bench_spec
 from deploy import generate_cmd, plan_cmd, router_cmd, serve_cmd, status_cmd
 from engine.errors import UserError
 from evals import perplexity as eval_perplexity
@@ -45,6 +46,7 @@ bench_app.command("serve")(bench_serve.command)
 bench_app.command("compare")(bench_compare.command)
 bench_app.command("peers")(bench_peers.command)
 bench_app.command("gpu-check")(bench_gpu_check.command)
+bench_app.command("spec")(bench_spec.command)
 eval_app.command("ppl")(eval_perplexity.command)
 
 

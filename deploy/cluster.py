@@ -17,6 +17,7 @@ import logging
 import os
 from dataclasses import dataclass, replace
 
+from engine.spec_decode.config import SpeculativeConfig
 from router.registry import WorkerEndpoint
 from worker.core import WorkerConfig
 
@@ -64,6 +65,7 @@ class ClusterSpec:
     # `ray start --resources '{"prefill": 4}'`, a role lands only on the nodes that carry its label.
     prefill_resources: tuple[tuple[str, float], ...] = ()
     decode_resources: tuple[tuple[str, float], ...] = ()   # decode and agg workers
+    speculative: SpeculativeConfig | None = None
 
     def role_resources(self, role: str) -> dict[str, float]:
         return dict(self.prefill_resources if role == "prefill" else self.decode_resources)
@@ -78,7 +80,8 @@ class ClusterSpec:
                             block_size=self.block_size, max_model_len=self.max_model_len,
                             enable_prefix_caching=self.enable_prefix_caching,
                             served_model_name=self.served_model_name, transfer_timeout_s=self.transfer_timeout_s,
-                            kv_cache_memory_bytes=self.kv_cache_memory_bytes, dtype=self.dtype)
+                            kv_cache_memory_bytes=self.kv_cache_memory_bytes, dtype=self.dtype,
+                            speculative=self.speculative)
         configs = []
         for role, n in roles:
             for i in range(n):

@@ -21,6 +21,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 # `pdserve serve --help` groups (typer rich_help_panel), by concern
 MODEL, CLUSTER, SCHED, NET, ROUTER, LEASES = ("Model", "Cluster", "Scheduler and KV cache", "Network",
                                               "Router", "Timeouts, leases and retries")
+SPEC = "Speculative decoding"
 
 
 def command(
@@ -98,16 +99,27 @@ def command(
     kv_cache_memory: Optional[str] = runtime_options.kv_memory_option(),
     num_blocks: Optional[int] = runtime_options.num_blocks_option(),
     max_num_batched_tokens: int = runtime_options.batched_tokens_option(),
+    speculative_method: Optional[str] = typer.Option(None, help="ngram (prompt lookup) | draft; default: off.",
+                                                     rich_help_panel=SPEC),
+    num_speculative_tokens: Optional[int] = typer.Option(None, help="Most draft tokens per request and step "
+                                                         "(default 4); each step's k is chosen in 0..K by load.",
+                                                         rich_help_panel=SPEC),
+    speculative_model: Optional[str] = typer.Option(None, help="Draft model (method draft).", rich_help_panel=SPEC),
+    spec_ngram_max: int = typer.Option(4, help="Longest n-gram matched (method ngram).", rich_help_panel=SPEC),
+    spec_ngram_min: int = typer.Option(2, help="Shortest n-gram matched (method ngram).", rich_help_panel=SPEC),
 ) -> None:
     """pdserve serve [MODEL]: start the router and workers on Ray."""
     import asyncio
 
     from deploy.cluster import ClusterSpec
+    from engine.spec_decode.config import from_flags
     from router.app import RouterConfig
 
     model = _model(model_arg, model)
     registry_url = router_cmd.check_registry(registry)
     routing = router_cmd.routing_config(router_policy, router_temperature)
+    speculative = from_flags(speculative_method, num_speculative_tokens, speculative_model, spec_ngram_max,
+                             spec_ngram_min)
     if mode not in ("disagg", "agg"):
         raise UserError(f"--mode must be disagg or agg, got {mode!r}")
     if kv_transport not in ("nixl", "torch", "tcp"):
@@ -135,7 +147,7 @@ def command(
                        transfer_timeout_s=transfer_timeout, worker_start_timeout_s=worker_start_timeout,
                        prefill_resources=parse_resources(prefill_resources, "--prefill-resources"),
                        decode_resources=parse_resources(decode_resources, "--decode-resources"),
-                       registry_url=registry_url)
+                       registry_url=registry_url, speculative=speculative)
     router = RouterConfig(host=host, port=port, http_port=None if http_port < 0 else http_port,
                           metrics_port=spec.metrics_port, mode=mode, local_prefill_threshold=local_prefill_threshold,
                           max_waiting=max_waiting, drain_grace_s=drain_seconds, served_model_name=served_model_name,

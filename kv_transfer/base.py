@@ -64,7 +64,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class CompatKey:
-    """Everything two caches must agree on before a single byte moves between them."""
+    """Everything two caches must agree on before a single byte moves between them.
+
+    speculative: the speculative-decoding config of the pair (engine/spec_decode/config.py
+    ``compat_descriptor``: method, draft model identity, k; "none" without speculation).
+    """
 
     protocol_version: int
     model_id: str
@@ -74,11 +78,12 @@ class CompatKey:
     block_size: int
     kv_dtype: str
     layout: str
+    speculative: str = "none"
 
     @classmethod
-    def from_spec(cls, spec: KVCacheSpec, model_id: str) -> "CompatKey":
+    def from_spec(cls, spec: KVCacheSpec, model_id: str, speculative: str = "none") -> "CompatKey":
         return cls(PROTOCOL_VERSION, model_id, spec.num_layers, spec.num_kv_heads, spec.head_dim,
-                   spec.block_size, dtype_name(spec.dtype), spec.layout)
+                   spec.block_size, dtype_name(spec.dtype), spec.layout, speculative)
 
     def check_matches(self, peer: "CompatKey") -> None:
         """Raise ``IncompatiblePeer`` naming every differing field with both values."""
@@ -89,7 +94,7 @@ class CompatKey:
 
     def check_spec(self, spec: KVCacheSpec) -> None:
         """The key must describe the cache it is registered with."""
-        expected = CompatKey.from_spec(spec, self.model_id)
+        expected = CompatKey.from_spec(spec, self.model_id, self.speculative)
         if expected != self:
             raise ValueError(f"compat key {self} does not describe the cache {spec}")
 
@@ -104,7 +109,7 @@ class CompatKey:
         except (KeyError, TypeError) as e:
             raise IncompatiblePeer(f"peer metadata has no valid compatibility key: {e!r}") from None
         for f in fields(cls):
-            want = int if f.name not in ("model_id", "kv_dtype", "layout") else str
+            want = int if f.name not in ("model_id", "kv_dtype", "layout", "speculative") else str
             if type(kwargs[f.name]) is not want:
                 raise IncompatiblePeer(f"peer compatibility key field {f.name}={kwargs[f.name]!r} "
                                        f"is not {want.__name__}")

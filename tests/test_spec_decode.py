@@ -307,3 +307,33 @@ def test_speculator_room_and_counters():
     c = spec.counters
     assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, c.num_verify_steps) == (1, 2, 1, 1)
     assert c.k_histogram == [0, 0, 1, 0, 0]
+
+
+# ---- P/D: the speculative config is part of the transfer compatibility key ------------------
+def test_pd_pair_with_different_speculative_configs_is_refused_at_handshake():
+    from engine.kv_cache import KVCacheSpec
+    from kv_transfer.base import CompatKey, IncompatiblePeer, decode_metadata, encode_metadata
+
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=4, block_size=4, num_blocks=8, dtype=torch.float32)
+    ngram = compat_descriptor(SpeculativeConfig(num_speculative_tokens=4))
+    prefill = CompatKey.from_spec(spec, "m", ngram)
+    blob = encode_metadata("tcp", prefill, 8)
+    assert decode_metadata(blob, "tcp", CompatKey.from_spec(spec, "m", ngram))["num_blocks"] == 8
+    for other in (compat_descriptor(None), compat_descriptor(SpeculativeConfig(num_speculative_tokens=2))):
+        with pytest.raises(IncompatiblePeer, match=f"speculative: ours='{other}' peer='{ngram}'"):
+            decode_metadata(blob, "tcp", CompatKey.from_spec(spec, "m", other))
+
+
+def test_cli_flags_make_the_config_or_name_the_bad_flag():
+    from engine.errors import UserError
+    from engine.spec_decode.config import from_flags
+
+    assert from_flags(None, None, None, 4, 2) is None
+    cfg = from_flags("ngram", 3, None, 5, 1)
+    assert (cfg.num_speculative_tokens, cfg.ngram_max, cfg.ngram_min) == (3, 5, 1)
+    for args, flag in [(("eagle", None, None, 4, 2), "--speculative-method"),
+                       (("ngram", 0, None, 4, 2), "--num-speculative-tokens"),
+                       (("ngram", 2, None, 2, 3), "--spec-ngram-min"),
+                       ((None, 2, None, 4, 2), "--speculative-method")]:
+        with pytest.raises(UserError, match=flag):
+            from_flags(*args)

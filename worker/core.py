@@ -18,6 +18,7 @@ import grpc
 
 from engine.errors import EngineDeadError
 from engine.scheduler import CapacityError
+from engine.spec_decode.config import SpeculativeConfig
 from proto.kv_events import encode_record
 from proto.pdserve.v1 import api_pb2, worker_pb2
 from proto.sampling import InvalidRequest, SamplingParams, check_prompt, from_wire
@@ -64,6 +65,7 @@ class WorkerConfig:
     max_model_len: int | None = None       # None = the model's context length; never above it
     enable_prefix_caching: bool = True
     served_model_name: str | None = None   # the model id reported to the router (None = `model`)
+    speculative: SpeculativeConfig | None = None  # decode and agg engines speculate; in the compat key for all
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "agg"):

@@ -124,7 +124,8 @@ def load_engine(config: WorkerConfig):
         cache=CacheConfig(block_size=config.block_size, num_blocks=config.num_blocks,
                           memory_bytes=config.kv_cache_memory_bytes,
                           enable_prefix_caching=config.enable_prefix_caching),
-        dtype=config.dtype, num_threads=config.num_threads, cpu_cores=config.cpu_cores, device=config.device))
+        dtype=config.dtype, num_threads=config.num_threads, cpu_cores=config.cpu_cores, device=config.device,
+        speculative=config.speculative if config.role != "prefill" else None))
     return engine, model_dir, _runner(engine)
 
 
@@ -149,7 +150,9 @@ def create_kv_transport(config: WorkerConfig, runner):
     from kv_transfer.base import CompatKey
 
     transport = create_transport(config.kv_transport)
-    compat = CompatKey.from_spec(runner.kv_cache.spec, runner.model_config.name)
+    from engine.spec_decode.config import compat_descriptor
+
+    compat = CompatKey.from_spec(runner.kv_cache.spec, runner.model_config.name, compat_descriptor(config.speculative))
     return transport, transport.register_cache(runner.kv_cache, compat)
 
 

@@ -50,3 +50,25 @@ class SpeculativeConfig:
 def compat_descriptor(config: SpeculativeConfig | None) -> str:
     """The descriptor of an optional config ("none" without speculation)."""
     return "none" if config is None else config.compat_descriptor()
+
+
+def from_flags(method: str | None, num_speculative_tokens: int | None, model: str | None, ngram_max: int,
+               ngram_min: int, quantization: str = "none") -> SpeculativeConfig | None:
+    """The config of the vLLM-style CLI flags (None = speculation off: no --speculative-method).
+    Raises engine.errors.UserError naming the flag (the CLI prints one line, exit status 2)."""
+    from engine.errors import UserError
+
+    if not method:
+        if num_speculative_tokens is not None or model:
+            raise UserError("--num-speculative-tokens / --speculative-model need --speculative-method ngram|draft")
+        return None
+    if method not in ("ngram", "draft"):
+        raise UserError(f"--speculative-method must be ngram or draft, got {method!r}")
+    k = 4 if num_speculative_tokens is None else num_speculative_tokens
+    if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise UserError(f"--num-speculative-tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
+    if not 1 <= ngram_min <= ngram_max:
+        raise UserError(f"--spec-ngram-min ({ngram_min}) must be in [1, --spec-ngram-max ({ngram_max})]")
+    if method == "draft":
+        raise UserError("--speculative-method draft is not implemented yet; use --speculative-method ngram")
+    return SpeculativeConfig(method, k, ngram_max, ngram_min, model, quantization)
