@@ -129,7 +129,7 @@ class _Recorder:
         return self.runner.forward(chunks, *args, **kwargs)
 
 
-def test_k_zero_runs_exactly_the_plain_forwards(runner, tokenizer, prompts, greedy_reference):
+def test_k_zero_runs_exactly_the_plain_forwards(runner, tokenizer, prompts):
     """Speculation on, but a step-time model where every draft costs more than it gains: every
     step chooses k = 0 and must run the same forwards (tokens, positions, logits) as no speculation."""
     plain_rec, spec_rec = _Recorder(runner), _Recorder(runner)
@@ -145,8 +145,3 @@ def test_k_zero_runs_exactly_the_plain_forwards(runner, tokenizer, prompts, gree
     assert spec_rec.calls == plain_rec.calls
     hist = spec.stats().spec_k_histogram
     assert hist[0] > 0 and sum(hist[1:]) == 0 and spec.stats().spec_num_drafts == 0
-    # and with drafts it does fewer forwards for the same tokens
-    fewer_rec = _Recorder(runner)
-    c = run_to_completion(engine(fewer_rec, tokenizer, ALWAYS), prompts[:4], GREEDY)
-    assert_same_tokens([o.token_ids for o in c], greedy_reference[:4])
-    assert len(fewer_rec.calls) < len(plain_rec.calls)
