@@ -111,13 +111,14 @@ def test_fp8_decode_attention_is_close_to_unquantized():
     (lambda a: a.update(key_cache=a["key_cache"].to(FP8), value_cache=a["value_cache"].to(FP8)), "needs k_scale"),
     (lambda a: a.update(key_cache=a["key_cache"].transpose(1, 3).contiguous().transpose(1, 3)), "stride 1"),
     (lambda a: a.update(value_cache=a["value_cache"][:, :, :1]), "value_cache"),
-    (lambda a: a.update(seq_lens=a["seq_lens"][:1]), "seq_lens"),
+    (lambda a: a.update(context_lens=a["context_lens"][:1]), "context_lens"),
+    (lambda a: a.update(row_to_seq=torch.zeros(1, dtype=torch.int64)), "row_to_seq"),
     (lambda a: a.update(block_tables=a["block_tables"].float()), "block_tables must be int"),
     (lambda a: a.update(k_scale=torch.ones(3)), "num_kv_heads=2"),
 ])
 def test_decode_attention_rejects_bad_input(change, message):
     q, kc, vc, table, lens = random_decode_batch([5, 9], 6, 2, 32, 4, torch.float32, torch.float32)
-    args = dict(query=q, key_cache=kc, value_cache=vc, block_tables=table, seq_lens=lens, scale=0.2)
+    args = dict(query=q, key_cache=kc, value_cache=vc, block_tables=table, context_lens=lens, scale=0.2)
     change(args)
     with pytest.raises(ValueError, match=message):
         paged_decode_attention(**args)
@@ -125,7 +126,8 @@ def test_decode_attention_rejects_bad_input(change, message):
 
 # -- the "triton" attention backend against the "torch" one -------------------------------------
 def backend_case(seqs, dtype, seed=0):
-    """AttentionMetadata, new K/V and queries for sequences given as (start_pos, num_new_tokens)."""
+    """Metadata (the triton backend's, with long-chunk groups only, and the reference's), new K/V
+    and queries for sequences given as (start_pos, num_new_tokens)."""
     gen = torch.Generator().manual_seed(seed)
     block_size, num_blocks = 4, 64
     pool = torch.randperm(num_blocks, generator=gen).tolist()
@@ -134,48 +136,66 @@ def backend_case(seqs, dtype, seed=0):
         n = -(-(start + qlen) // block_size)
         tables.append(pool[:n])
         pool = pool[n:]
-    meta = AttentionMetadata.build([s for s, _ in seqs], [q for _, q in seqs], tables, block_size, dtype=torch.float32)
+    metas = {groups: AttentionMetadata.build([s for s, _ in seqs], [q for _, q in seqs], tables, block_size,
+                                             groups=groups) for groups in ("long", "all")}
     num_tokens = sum(q for _, q in seqs)
     cache_shape = (num_blocks, block_size, 2, 32)
     caches = [(torch.randn(cache_shape, generator=gen) * 0.5).to(dtype) for _ in range(2)]
     new_kv = [torch.randn(num_tokens, 2, 32, generator=gen) for _ in range(2)]
     query = torch.randn(num_tokens, 6, 32, generator=gen)
-    return meta, caches, new_kv, query
+    return metas, caches, new_kv, query
 
 
-@pytest.mark.parametrize("seqs", [
-    [(0, 1), (12, 1), (30, 1)],                  # decode batch: the Triton kernel
-    [(0, 9), (12, 1), (30, 3)],                  # prefill + decode + verification: the reference
-])
+BACKEND_BATCHES = [
+    [(0, 1), (12, 1), (30, 1)],                  # decode batch: the kernel, one row per sequence
+    [(0, 9), (12, 1), (30, 3)],                  # short prefill, decode, verification: all rows in the kernel
+    [(0, 20), (12, 1), (5, 18), (30, 3)],        # long chunks from 0 (SDPA on new K/V) and after 5 (reference)
+    [(0, 17)],                                   # one long chunk alone (no kernel launch)
+]
+
+
+@pytest.mark.parametrize("seqs", BACKEND_BATCHES)
 def test_backend_matches_torch_backend(seqs):
-    meta, (kc, vc), (k, v), query = backend_case(seqs, torch.float32)
+    metas, (kc, vc), (k, v), query = backend_case(seqs, torch.float32)
     triton_ops, torch_ops = get_attention_backend("triton"), get_attention_backend("torch")
-    assert triton_ops.name == "triton"
+    assert triton_ops.name == "triton" and triton_ops.metadata_groups == "long"
     kc2, vc2 = kc.clone(), vc.clone()
-    triton_ops.write_kv_cache(k, v, kc, vc, meta.slot_mapping)
-    torch_ops.write_kv_cache(k, v, kc2, vc2, meta.slot_mapping)
+    triton_ops.write_kv_cache(k, v, kc, vc, metas["long"].slot_mapping)
+    torch_ops.write_kv_cache(k, v, kc2, vc2, metas["all"].slot_mapping)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
-    got = triton_ops.paged_attention(query, kc, vc, meta, 0.17)
-    assert max_err(got, torch_ops.paged_attention(query, kc2, vc2, meta, 0.17)) <= 1e-5
+    got = triton_ops.paged_attention(query, kc, vc, metas["long"], 0.17, key=k, value=v)
+    assert max_err(got, torch_ops.paged_attention(query, kc2, vc2, metas["all"], 0.17)) <= 1e-5
 
 
-@pytest.mark.parametrize("seqs", [[(0, 1), (12, 1), (30, 1)], [(0, 9), (30, 1)]])
+def test_decode_attention_rows_of_short_chunks():
+    # Rows map to sequences through row_to_seq, each with its own causal context; a 0 skips a row.
+    q, kc, vc, table, _ = random_decode_batch([9, 23], 6, 2, 32, 4, torch.float32, torch.float32, seed=9)
+    rows = torch.tensor([0, 0, 0, 1, 1, 1])
+    q = torch.cat([q, q, q])[torch.tensor([0, 2, 4, 1, 3, 5])]
+    lens = torch.tensor([7, 8, 9, 0, 22, 23])
+    got = paged_decode_attention(q, kc, vc, table, lens, 0.2, row_to_seq=rows, num_splits=3, block_n=16)
+    assert max_err(got, decode_attention_ref(q, kc, vc, table, lens, 0.2, row_to_seq=rows)) <= 1e-5
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+
+
+@pytest.mark.parametrize("seqs", BACKEND_BATCHES)
 def test_backend_fp8_cache_with_per_head_scales(seqs):
-    meta, (kc, vc), (k, v), query = backend_case(seqs, torch.float32, seed=4)
+    metas, (kc, vc), (k, v), query = backend_case(seqs, torch.float32, seed=4)
     # Calibrated per-KV-head scales: the largest |x| of the cache and the new tokens maps to 448.
     k_scale = torch.maximum(kc.abs().amax(dim=(0, 1, 3)), k.abs().amax(dim=(0, 2))) / 448
     v_scale = torch.maximum(vc.abs().amax(dim=(0, 1, 3)), v.abs().amax(dim=(0, 2))) / 448
     k8 = (kc / k_scale.view(1, 1, 2, 1)).to(FP8)
     v8 = (vc / v_scale.view(1, 1, 2, 1)).to(FP8)
     ops = get_attention_backend("triton")
-    ops.write_kv_cache(k, v, k8, v8, meta.slot_mapping, k_scale, v_scale)
+    ops.write_kv_cache(k, v, k8, v8, metas["long"].slot_mapping, k_scale, v_scale)
     # The write stored x / scale as E4M3: read back it recovers x to E4M3 precision (~6% relative).
-    flat_k = k8.view(-1, 2, 32)[meta.slot_mapping].float() * k_scale.view(1, 2, 1)
+    flat_k = k8.view(-1, 2, 32)[metas["long"].slot_mapping].float() * k_scale.view(1, 2, 1)
     assert max_err(flat_k, k) <= 0.07 * k.abs().max().item()
-    got = ops.paged_attention(query, k8, v8, meta, 0.17, k_scale, v_scale)
+    # Every row attends the quantized bytes (long chunks from 0 too, not the unquantized new K/V).
+    got = ops.paged_attention(query, k8, v8, metas["long"], 0.17, k_scale, v_scale, key=k, value=v)
     deq_k = k8.float() * k_scale.view(1, 1, 2, 1)
     deq_v = v8.float() * v_scale.view(1, 1, 2, 1)
-    want = get_attention_backend("torch").paged_attention(query, deq_k, deq_v, meta, 0.17)
+    want = get_attention_backend("torch").paged_attention(query, deq_k, deq_v, metas["all"], 0.17)
     assert max_err(got, want) <= 1e-5
 
 
@@ -284,16 +304,16 @@ def test_rms_norm_rejects_bad_input(call, message):
 
 # -- the backend inside the model ----------------------------------------------------------------
 def test_backend_in_the_model_matches_torch_backend(model_path):
-    # SmolLM2's shapes (9 query heads, 3 KV heads, head dim 64), 30 layers: a prompt (reference
-    # fallback) then two decode steps of two sequences (the kernel), logits against the torch backend.
+    # SmolLM2's shapes (9 query heads, 3 KV heads, head dim 64), 30 layers: a long prompt chunk
+    # (SDPA on the new K/V) beside a short one (the kernel), then a decode step of both (the kernel);
+    # every logit against the torch backend.
     from engine.batch import SeqChunk
     from engine.model_runner import ModelRunner
 
     logits = {}
     for backend in ("torch", "triton"):
         runner = ModelRunner(model_path, num_blocks=8, block_size=16, attention_backend=backend)
-        runner.forward([SeqChunk(list(range(10, 27)), 0, [3, 5]), SeqChunk([40, 41, 42], 0, [6])])
-        steps = [runner.forward([SeqChunk([7 + i], 17 + i, [3, 5]), SeqChunk([8 + i], 3 + i, [6])])
-                 for i in range(2)]
-        logits[backend] = torch.cat(steps)
+        prefill = runner.forward([SeqChunk(list(range(10, 27)), 0, [3, 5]), SeqChunk([40, 41, 42], 0, [6])])
+        decode = runner.forward([SeqChunk([7], 17, [3, 5]), SeqChunk([8], 3, [6])])
+        logits[backend] = torch.cat([prefill, decode])
     assert max_err(logits["triton"], logits["torch"]) <= 1e-3
