@@ -12,6 +12,7 @@ import sys
 import typer
 from typer.exceptions import TyperException
 
+from bench import attention as bench_attention
 from bench import compare as bench_compare
 from bench import engine as bench_engine
 from bench import gpu_check as bench_gpu_check
@@ -40,6 +41,7 @@ app.command("status")(status_cmd.command)
 app.command("plan")(plan_cmd.command)
 app.command("profile")(bench_profile.command)
 bench_app.command("engine")(bench_engine.command)
+bench_app.command("attention")(bench_attention.command)
 bench_app.command("offline")(bench_offline.command)
 bench_app.command("kv-transfer")(bench_kv_transfer.command)
 bench_app.command("serve")(bench_serve.command)

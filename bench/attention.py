@@ -1,0 +1,221 @@
+"""pdserve bench attention: paged attention, the torch reference against the in-place CPU kernel.
+
+Two parts, in one run:
+
+- **op**: one layer's decode attention (one query per sequence) at each batch size x context x
+  dtype, the model's shapes (9 query heads, 3 KV heads, head dim 64, block size 16), block
+  tables scattered at random over the cache. Each repeat visits enough separate layer caches
+  (at least 64 MiB in all, more than the L3) that every call finds its K/V in DRAM, as it does
+  inside a decode step. Reported: ms per layer (CPU time, median), and the K/V bytes the kernel
+  reads per second.
+- **step**: a whole decode step of the bundled model (batch 16, ~250-token contexts by default)
+  per dtype and backend: ms per step, the part of it spent in attention, and the metadata build
+  (``AttentionMetadata.build``) per step; ``--profile`` adds torch.profiler's top operators.
+
+Times are CPU time (process time, all threads), which other processes on a shared machine do
+not inflate; wall times are in the JSON too, beside ``uptime``'s load. Prints a table and writes
+JSON (``--json``). Run as ``pdserve bench attention`` or ``python -m bench.attention``. Speed is
+measured here, never in tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import typer
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+COLD_BYTES = 64 * 2**20
+
+
+def command(
+    json_out: Path = typer.Option(Path("out/bench_attention.json"), "--json", help="Where to write the results."),
+    model: str = typer.Option("smollm2-135m-instruct", "--model", "-m"),
+    batch_sizes: str = typer.Option("1,16,32", "--batch-sizes", help="Comma-separated batch sizes (op part)."),
+    contexts: str = typer.Option("256,1024", "--contexts", help="Comma-separated context lengths (op part)."),
+    dtypes: str = typer.Option("float32,bfloat16", "--dtypes", help="Comma-separated dtypes."),
+    step_batch: int = typer.Option(16, "--step-batch", help="Decode batch of the step part (0 = skip it)."),
+    step_context: int = typer.Option(250, "--step-context", help="Context of each sequence in the step part."),
+    repeats: int = typer.Option(9, "--repeats", help="Timed repeats (median)."),
+    threads: int = typer.Option(0, "--threads", help="torch threads (0 = the cores this process may use)."),
+    profile: bool = typer.Option(False, "--profile", help="Also print torch.profiler's top ops of one step."),
+) -> None:
+    """Attention ms per layer (reference vs kernel) and decode step ms per backend."""
+    import torch
+
+    torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
+    names = [d.strip() for d in dtypes.split(",") if d.strip()]
+    result = {"threads": torch.get_num_threads(), "load_before": os.getloadavg(),
+              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "op": [], "step": []}
+    for dtype in names:
+        for batch in _ints(batch_sizes):
+            for context in _ints(contexts):
+                result["op"].append(_op(getattr(torch, dtype), batch, context, repeats))
+    if step_batch:
+        for dtype in names:
+            result["step"].append(_step(model, getattr(torch, dtype), step_batch, step_context, repeats, profile))
+    result["load_after"] = os.getloadavg()
+    _print_table(result)
+    json_out.parent.mkdir(parents=True, exist_ok=True)
+    json_out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {json_out}")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _op(dtype, batch: int, context: int, repeats: int) -> dict:
+    import torch
+
+    from kernels.attention import AttentionMetadata, get_attention_backend
+
+    blocks_per_seq = -(-context // BLOCK)
+    num_blocks = batch * blocks_per_seq + 1
+    layer_bytes = 2 * num_blocks * BLOCK * KV_HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
+    layers = max(2, min(30, -(-COLD_BYTES // layer_bytes)))
+    caches = [(torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM).to(dtype),
+               torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)) for _ in range(layers)]
+    order = list(range(num_blocks))
+    random.Random(0).shuffle(order)
+    tables = [order[b * blocks_per_seq:(b + 1) * blocks_per_seq] for b in range(batch)]
+    args = ([context - 1] * batch, [1] * batch, tables, BLOCK)
+    query = torch.randn(batch, HEADS, HEAD_DIM).to(dtype)
+    ref, cpu = get_attention_backend("torch"), get_attention_backend("cpu")
+    full = AttentionMetadata.build(*args, dtype=dtype)
+    lean = AttentionMetadata.build(*args, dtype=dtype, groups=cpu.metadata_groups)
+
+    def over_layers(ops, meta) -> Callable[[], None]:
+        return lambda: [ops.paged_attention(query, k, v, meta, HEAD_DIM ** -0.5) for k, v in caches]
+
+    times = _interleaved({"torch": over_layers(ref, full), "cpu": over_layers(cpu, lean)}, repeats)
+    per_layer = {name: {k: 1000 * v / layers for k, v in t.items()} for name, t in times.items()}
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
+    return {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "context": context, "layers_cycled": layers,
+            "torch_ms_per_layer": per_layer["torch"]["cpu"], "cpu_ms_per_layer": per_layer["cpu"]["cpu"],
+            "torch_ms_per_layer_wall": per_layer["torch"]["wall"], "cpu_ms_per_layer_wall": per_layer["cpu"]["wall"],
+            "speedup": per_layer["torch"]["cpu"] / per_layer["cpu"]["cpu"],
+            "cpu_kv_read_gb_s": kv_bytes / (per_layer["cpu"]["cpu"] / 1000) / 1e9}
+
+
+def _step(model: str, dtype, batch: int, context: int, repeats: int, profile: bool) -> dict:
+    import torch
+
+    from engine.batch import SeqChunk
+    from engine.model_runner import ModelRunner
+    from kernels.attention import AttentionMetadata, get_attention_backend
+
+    blocks_per_seq = -(-(context + 9) // BLOCK)
+    runner = ModelRunner(model, block_size=BLOCK, num_blocks=batch * blocks_per_seq + 1, dtype=dtype,
+                         attention_backend="torch")
+    tables = [list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)) for b in range(batch)]
+    chunks = [SeqChunk([b + 1], context + b % 8, tables[b]) for b in range(batch)]   # K/V values do not matter
+    backends = {"torch": get_attention_backend("torch"), "cpu": get_attention_backend("cpu")}
+    attention_s = {name: [0.0] for name in backends}
+    for name, ops in backends.items():
+        ops.paged_attention = _timed(ops.paged_attention, attention_s[name])
+
+    def step(name: str) -> Callable[[], None]:
+        def run() -> None:
+            runner.ops = backends[name]
+            runner.forward(chunks)
+        return run
+
+    times = _interleaved({name: step(name) for name in backends}, repeats)
+    out = {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "context": context}
+    for name in backends:
+        calls = repeats + 1   # warm-up included in the attention total
+        out[f"{name}_ms_per_step"] = 1000 * times[name]["cpu"]
+        out[f"{name}_ms_per_step_wall"] = 1000 * times[name]["wall"]
+        out[f"{name}_attention_ms_per_step"] = 1000 * attention_s[name][0] / calls
+        groups = getattr(backends[name], "metadata_groups", "all")
+        out[f"{name}_metadata_ms_per_step"] = 1000 * _median_cpu(lambda: AttentionMetadata.build(
+            [c.start_pos for c in chunks], [1] * batch, tables, BLOCK, dtype=dtype, groups=groups), 50)
+    out["step_speedup"] = out["torch_ms_per_step"] / out["cpu_ms_per_step"]
+    if profile:
+        out["profile"] = {name: _profile(step(name)) for name in backends}
+    return out
+
+
+def _timed(fn, total: list[float]):
+    import torch
+
+    def wrapper(*args, **kwargs):
+        start = time.process_time()
+        with torch.profiler.record_function("paged_attention"):
+            result = fn(*args, **kwargs)
+        total[0] += time.process_time() - start
+        return result
+    return wrapper
+
+
+def _profile(step: Callable[[], None], steps: int = 3) -> list[dict]:
+    """Top operators of ``steps`` steps by self CPU time, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    total = sum(e.self_cpu_time_total for e in prof.key_averages())
+    return [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1000 / steps,
+             "share": e.self_cpu_time_total / total} for e in rows]
+
+
+def _median_cpu(fn: Callable[[], object], repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        start = time.process_time()
+        fn()
+        samples.append(time.process_time() - start)
+    return statistics.median(samples)
+
+
+def _interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, dict[str, float]]:
+    """Median wall and CPU seconds of each function, timed alternately after one warm-up each."""
+    for fn in fns.values():
+        fn()
+    samples = {name: {"wall": [], "cpu": []} for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            fn()
+            samples[name]["cpu"].append(time.process_time() - cpu)
+            samples[name]["wall"].append(time.perf_counter() - wall)
+    return {name: {k: statistics.median(v) for k, v in d.items()} for name, d in samples.items()}
+
+
+def _print_table(result: dict) -> None:
+    print(f"threads {result['threads']}, CPU {result['cpu_capability']}, load before "
+          f"{' '.join(f'{x:.2f}' for x in result['load_before'])}, after "
+          f"{' '.join(f'{x:.2f}' for x in result['load_after'])}")
+    print("\nattention, one layer of decode (ms, CPU time; K/V cold in DRAM)")
+    print(f"{'dtype':9} {'batch':>5} {'ctx':>5} {'torch ms':>9} {'cpu ms':>8} {'speedup':>8} {'cpu KV GB/s':>11}")
+    for r in result["op"]:
+        print(f"{r['dtype']:9} {r['batch']:5d} {r['context']:5d} {r['torch_ms_per_layer']:9.3f} "
+              f"{r['cpu_ms_per_layer']:8.3f} {r['speedup']:7.2f}x {r['cpu_kv_read_gb_s']:11.1f}")
+    if result["step"]:
+        print("\ndecode step (ms, CPU time): whole step / attention in it / metadata build")
+        print(f"{'dtype':9} {'batch':>5} {'ctx':>5} {'torch step':>10} {'attn':>6} {'meta':>6} "
+              f"{'cpu step':>9} {'attn':>6} {'meta':>6} {'speedup':>8}")
+        for r in result["step"]:
+            print(f"{r['dtype']:9} {r['batch']:5d} {r['context']:5d} {r['torch_ms_per_step']:10.1f} "
+                  f"{r['torch_attention_ms_per_step']:6.1f} {r['torch_metadata_ms_per_step']:6.2f} "
+                  f"{r['cpu_ms_per_step']:9.1f} {r['cpu_attention_ms_per_step']:6.1f} "
+                  f"{r['cpu_metadata_ms_per_step']:6.2f} {r['step_speedup']:7.2f}x")
+        for r in result["step"]:
+            for name, rows in r.get("profile", {}).items():
+                print(f"\nprofile, {r['dtype']} {name}: top ops by self CPU time (ms per step, share)")
+                for row in rows:
+                    print(f"  {row['op'][:40]:40} {row['self_ms_per_step']:7.2f} {100 * row['share']:5.1f}%")
+
+
+if __name__ == "__main__":
+    typer.run(command)
