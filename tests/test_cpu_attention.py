@@ -18,7 +18,7 @@ import torch
 import kernels.cpu_attention as cpu_attention
 from kernels.attention import MAX_PADDED_QUERY_LEN, AttentionMetadata, get_attention_backend
 
-NUM_BLOCKS = 96
+NUM_BLOCKS = 160
 LONG = MAX_PADDED_QUERY_LEN + 5
 
 # (start_pos, query_len) per sequence
@@ -37,6 +37,7 @@ def scattered_tables(seqs, block_size, seed=0):
     tables = []
     for start, qlen in seqs:
         n = -(-(start + qlen) // block_size)
+        assert n <= len(blocks), "the test cache is too small for this batch"
         tables.append(blocks[:n] + [blocks[-1]] * 2)   # longer than needed, as the block manager hands out
         blocks = blocks[n:]
     return tables
@@ -67,7 +68,9 @@ def new_kv(cache, meta):
 
 
 @pytest.mark.parametrize("batch", list(BATCHES))
-@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (4, 8)])   # AVX-512 path; portable path (8 % 16 != 0)
+# head_dim 64: the AVX-512 paths (block of 16 = one vector of scores; 32 = two; 4 = a partial one);
+# head_dim 8: the portable path (8 % 16 != 0)
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (32, 64), (4, 64), (4, 8)])
 def test_fp32_matches_the_reference(cpu, batch, block_size, head_dim):
     query, kc, vc, full, lean, _ = case(BATCHES[batch], block_size, kv_heads=2, group=3, head_dim=head_dim,
                                      dtype=torch.float32)
@@ -79,8 +82,10 @@ def test_fp32_matches_the_reference(cpu, batch, block_size, head_dim):
 
 
 @pytest.mark.parametrize("batch", ["decode", "verification", "mixed"])
-def test_bf16_within_tolerance_of_fp32(cpu, batch):
-    query, kc, vc, full, lean, args = case(BATCHES[batch], 16, kv_heads=3, group=3, head_dim=64, dtype=torch.bfloat16)
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (32, 128), (16, 8)])  # AVX512-BF16 dots, and not
+def test_bf16_within_tolerance_of_fp32(cpu, batch, block_size, head_dim):
+    query, kc, vc, full, lean, args = case(BATCHES[batch], block_size, kv_heads=3, group=3, head_dim=head_dim,
+                                           dtype=torch.bfloat16)
     ref = get_attention_backend("torch")
     exact = ref.paged_attention(query.float(), kc.float(), vc.float(), AttentionMetadata.build(*args), 0.125)
     got = cpu.paged_attention(query, kc, vc, lean, 0.125, key=new_kv(kc, lean), value=new_kv(vc, lean))

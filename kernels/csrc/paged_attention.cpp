@@ -11,8 +11,12 @@
 // OpenMP: the threads torch.set_num_threads gives) through an atomic counter, so sequences of
 // different lengths balance.
 //
-// AVX-512 paths where the compiler targets it (-march=native on a CPU with AVX-512F), else a
-// portable scalar path with the same algorithm.
+// AVX-512 paths where the compiler targets it (-march=native on a CPU with AVX-512F): fp32 caches
+// are read in place, bf16/fp16 blocks converted to fp32 once per block and KV head; with
+// AVX512-BF16 and a bf16 query, q . k runs on the bf16 cache directly (vdpbf16ps: exact bf16
+// products summed in fp32). Sixteen keys' dot products are reduced together (one transpose-and-
+// add tree) and the block's softmax step is one vector. Elsewhere a portable scalar path with the
+// same algorithm.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -20,6 +24,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__SSE__)
@@ -122,25 +127,51 @@ inline void rescale_accumulate(float* acc, float corr, const float* p, const T* 
 }
 
 #if defined(__AVX512F__)
-// head_dim = 16 * NC, known at compile time: the loops unroll and the accumulators stay in registers.
+// Lane t of the result = the sum of the 16 lanes of a[t]: 16 horizontal sums as one transpose-
+// and-add tree (45 shuffles and adds instead of 16 separate reductions of ~8 each).
+inline __m512 reduce16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)   // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int k = 0; k < 4; ++k) {  // per 128-bit lane: the lane's partial sums of tokens 4k .. 4k+3
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * k]), _mm512_castps_pd(b[2 * k + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * k]), _mm512_castps_pd(b[2 * k + 1]));
+    c[k] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(d01, d23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// head_dim = 16 * NC, known at compile time: the loops unroll and the accumulators stay in
+// registers. s[t] = q . k_t for t < n, k_t = kf + t * ld (fp32).
 template <int NC>
-inline void scores_fixed(const float* q, const float* kf, int n, float* s) {
+inline void scores_fixed(const float* q, const float* kf, int64_t ld, int n, float* s) {
   __m512 qv[NC];
   for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  for (int t = 0; t < n; ++t) {
-    const float* k = kf + t * 16 * NC;
-    __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-    __m512 b = NC > 1 ? _mm512_mul_ps(qv[1], _mm512_loadu_ps(k + 16)) : _mm512_setzero_ps();
-    for (int c = 2; c < NC; c += 2) {
-      a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), a);
-      if (c + 1 < NC) b = _mm512_fmadd_ps(qv[c + 1], _mm512_loadu_ps(k + 16 * (c + 1)), b);
+  for (int t0 = 0; t0 < n; t0 += 16) {
+    const int m = std::min(16, n - t0);
+    __m512 a[16];
+    for (int t = 0; t < 16; ++t) {
+      if (t >= m) {
+        a[t] = _mm512_setzero_ps();
+        continue;
+      }
+      const float* k = kf + (t0 + t) * ld;
+      __m512 x = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+      for (int c = 1; c < NC; ++c) x = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), x);
+      a[t] = x;
     }
-    s[t] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    _mm512_mask_storeu_ps(s + t0, m >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << m) - 1), reduce16(a));
   }
 }
 
+// acc = acc * corr + sum_t p[t] v_t for t < n, v_t = vf + t * ld (fp32).
 template <int NC>
-inline void accumulate_fixed(float* acc, float corr, const float* p, const float* vf, int n) {
+inline void accumulate_fixed(float* acc, float corr, const float* p, const float* vf, int64_t ld, int n) {
   __m512 a[NC], b[NC];   // even and odd tokens: two independent FMA chains per chunk
   const __m512 vc = _mm512_set1_ps(corr);
   for (int c = 0; c < NC; ++c) {
@@ -150,44 +181,104 @@ inline void accumulate_fixed(float* acc, float corr, const float* p, const float
   int t = 0;
   for (; t + 2 <= n; t += 2) {
     const __m512 p0 = _mm512_set1_ps(p[t]), p1 = _mm512_set1_ps(p[t + 1]);
-    const float* v0 = vf + t * 16 * NC;
+    const float* v0 = vf + t * ld;
+    const float* v1 = v0 + ld;
     for (int c = 0; c < NC; ++c) {
       a[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), a[c]);
-      b[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v0 + 16 * (NC + c)), b[c]);
+      b[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), b[c]);
     }
   }
   if (t < n) {
     const __m512 p0 = _mm512_set1_ps(p[t]);
-    for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vf + t * 16 * NC + 16 * c), a[c]);
+    for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vf + t * ld + 16 * c), a[c]);
   }
   for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + 16 * c, _mm512_add_ps(a[c], b[c]));
 }
 #endif
 
-// s[t] = q . kf[t] for t < n (kf rows of length d, fp32).
-inline void block_scores(const float* q, const float* kf, int n, int d, float* s) {
-#if defined(__AVX512F__)
-  switch (d) {
-    case 64: return scores_fixed<4>(q, kf, n, s);
-    case 128: return scores_fixed<8>(q, kf, n, s);
-    case 32: return scores_fixed<2>(q, kf, n, s);
-    default: break;
+#if defined(__AVX512BF16__)
+// bf16 query and bf16 keys: s[t] = scale * (q . k_t) with the AVX512-BF16 dot product (bf16 pairs
+// multiplied exactly, summed in fp32), read from the cache without conversion. NC2 = d / 32.
+template <int NC2>
+inline void scores_bf16(const at::BFloat16* q, const at::BFloat16* kc, int64_t ld, int n, float scale, float* s) {
+  __m512bh qv[NC2];
+  for (int c = 0; c < NC2; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int t0 = 0; t0 < n; t0 += 16) {
+    const int m = std::min(16, n - t0);
+    __m512 a[16];
+    for (int t = 0; t < 16; ++t) {
+      a[t] = _mm512_setzero_ps();
+      if (t >= m) continue;
+      const at::BFloat16* k = kc + (t0 + t) * ld;
+      for (int c = 0; c < NC2; ++c) a[t] = _mm512_dpbf16_ps(a[t], qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+    }
+    _mm512_mask_storeu_ps(s + t0, m >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << m) - 1),
+                          _mm512_mul_ps(reduce16(a), vscale));
+  }
+}
+#endif
+
+// True (and s filled) when the bf16 dot-product path applies: bf16 query and cache, d in {32, 64, 128}.
+template <typename Q, typename KV>
+inline bool block_scores_native(const Q* q, const KV* kc, int64_t ld, int n, int d, float scale, float* s) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<KV, at::BFloat16>) {
+    switch (d) {
+      case 64: scores_bf16<2>(q, kc, ld, n, scale, s); return true;
+      case 128: scores_bf16<4>(q, kc, ld, n, scale, s); return true;
+      case 32: scores_bf16<1>(q, kc, ld, n, scale, s); return true;
+      default: return false;
+    }
   }
 #endif
-  for (int t = 0; t < n; ++t) s[t] = dot(q, kf + t * d, d);
+  return false;
 }
 
-// acc = acc * corr + sum_t p[t] vf[t] (vf rows of length d, fp32).
-inline void block_accumulate(float* acc, float corr, const float* p, const float* vf, int n, int d) {
+// s[t] = q . k_t for t < n, k_t = kf + t * ld (rows of length d, fp32).
+inline void block_scores(const float* q, const float* kf, int64_t ld, int n, int d, float* s) {
 #if defined(__AVX512F__)
   switch (d) {
-    case 64: return accumulate_fixed<4>(acc, corr, p, vf, n);
-    case 128: return accumulate_fixed<8>(acc, corr, p, vf, n);
-    case 32: return accumulate_fixed<2>(acc, corr, p, vf, n);
+    case 64: return scores_fixed<4>(q, kf, ld, n, s);
+    case 128: return scores_fixed<8>(q, kf, ld, n, s);
+    case 32: return scores_fixed<2>(q, kf, ld, n, s);
     default: break;
   }
 #endif
-  rescale_accumulate(acc, corr, p, vf, d, n, d);
+  for (int t = 0; t < n; ++t) s[t] = dot(q, kf + t * ld, d);
+}
+
+// acc = acc * corr + sum_t p[t] v_t, v_t = vf + t * ld (rows of length d, fp32).
+inline void block_accumulate(float* acc, float corr, const float* p, const float* vf, int64_t ld, int n, int d) {
+#if defined(__AVX512F__)
+  switch (d) {
+    case 64: return accumulate_fixed<4>(acc, corr, p, vf, ld, n);
+    case 128: return accumulate_fixed<8>(acc, corr, p, vf, ld, n);
+    case 32: return accumulate_fixed<2>(acc, corr, p, vf, ld, n);
+    default: break;
+  }
+#endif
+  rescale_accumulate(acc, corr, p, vf, ld, n, d);
+}
+
+// One block's online-softmax step for one row: m_new = max(m_old, max_t s[t]); s[t] becomes
+// exp(s[t] - m_new) and sum their sum (t < n).
+inline void softmax_block(float* s, int n, float m_old, float& m_new, float& sum) {
+#if defined(__AVX512F__)
+  if (n <= 16) {   // one vector: no scalar max chain, no store/reload
+    const __mmask16 mask = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+    const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), mask, s);
+    m_new = std::max(m_old, _mm512_reduce_max_ps(sv));
+    const __m512 e = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
+    _mm512_mask_storeu_ps(s, mask, e);
+    sum = _mm512_reduce_add_ps(e);
+    return;
+  }
+#endif
+  float bmax = -std::numeric_limits<float>::infinity();
+  for (int t = 0; t < n; ++t) bmax = std::max(bmax, s[t]);
+  m_new = std::max(m_old, bmax);
+  sum = exp_sum(s, n, m_new);
 }
 
 struct Scratch {
@@ -254,12 +345,14 @@ void attend_item(const Item& it, const Q* query, int64_t q_tok_stride, int64_t q
     }
   const int64_t* table = block_tables + b * bt_stride;
   const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+  float probe;
+  const bool native = block_scores_native(query, key_cache, 0, 0, d, 1.f, &probe);  // n = 0: only asks
   // The item's heads of one token are contiguous: (nh - 1) * cs[2] + d elements.
   const int span = static_cast<int>((nh - 1) * cs[2] + d);
   for (int64_t kb = 0; kb < num_blocks; ++kb) {
     const int64_t base = kb * block_size;
     const int n_block = static_cast<int>(std::min<int64_t>(block_size, seq_len - base));
-    if (kb + 1 < num_blocks) {
+    if (kb + 1 < num_blocks) {   // (2 or 4 blocks ahead, or into L2 only, measured no better)
       const int64_t next = table[kb + 1] * cs[0] + h0 * cs[2];
       const int n_next = static_cast<int>(std::min<int64_t>(block_size, seq_len - base - block_size));
       prefetch_block(key_cache + next, cs[1], n_next, span);
@@ -267,8 +360,19 @@ void attend_item(const Item& it, const Q* query, int64_t q_tok_stride, int64_t q
     }
     for (int64_t h = h0; h < h0 + nh; ++h) {
       const int64_t off = table[kb] * cs[0] + h * cs[2];
-      load_block(w.kf.data(), key_cache + off, cs[1], n_block, d);
-      load_block(w.vf.data(), value_cache + off, cs[1], n_block, d);
+      const float *kf, *vf;
+      int64_t ld;
+      if constexpr (std::is_same_v<KV, float>) {   // read in place
+        kf = key_cache + off;
+        vf = value_cache + off;
+        ld = cs[1];
+      } else {                                     // converted once, read by every row from L1
+        if (!native) load_block(w.kf.data(), key_cache + off, cs[1], n_block, d);
+        load_block(w.vf.data(), value_cache + off, cs[1], n_block, d);
+        kf = w.kf.data();
+        vf = w.vf.data();
+        ld = d;
+      }
       for (int r = 0; r < rows; ++r) {
         // causal: query i (position start + i) sees keys 0 .. start + i
         const int64_t visible = start + r / group + 1 - base;
@@ -276,16 +380,17 @@ void attend_item(const Item& it, const Q* query, int64_t q_tok_stride, int64_t q
         if (n <= 0) continue;
         const size_t hr = static_cast<size_t>((h - h0) * rows + r);
         float* s = w.s.data();
-        block_scores(w.q.data() + hr * d, w.kf.data(), n, d, s);
-        float bmax = -std::numeric_limits<float>::infinity();
-        for (int t = 0; t < n; ++t) bmax = std::max(bmax, s[t]);
+        if (!native || !block_scores_native(query + (first + r / group) * q_tok_stride + (h * group + r % group) * q_head_stride,
+                                            key_cache + off, cs[1], n, d, scale, s))
+          block_scores(w.q.data() + hr * d, kf, ld, n, d, s);
         const float m_old = w.m[hr];
-        const float m_new = std::max(m_old, bmax);
-        const float corr = std::exp(m_old - m_new);  // 0 on the first block (m_old = -inf)
-        const float sum = exp_sum(s, n, m_new);
+        float m_new, sum;
+        softmax_block(s, n, m_old, m_new, sum);
+        // 0 on the first block (m_old = -inf); 1, without a call, while the running max holds
+        const float corr = m_new == m_old ? 1.f : std::exp(m_old - m_new);
         w.l[hr] = w.l[hr] * corr + sum;
         w.m[hr] = m_new;
-        block_accumulate(w.acc.data() + hr * d, corr, s, w.vf.data(), n, d);
+        block_accumulate(w.acc.data() + hr * d, corr, s, vf, ld, n, d);
       }
     }
   }
