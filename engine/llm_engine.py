@@ -25,7 +25,7 @@ from engine.batch import SeqChunk
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import UserError
-from engine.outputs import ChunkInfo, EngineStats, RequestOutput, Usage
+from engine.outputs import ChunkInfo, EngineStats, RequestOutput, RequestTimes, Usage
 from engine.plan import SchedulePlan, StepResult
 from engine.request import Request, RequestState
 from engine.scheduler import Scheduler
@@ -256,7 +256,8 @@ class LLMEngine:
             self._streams.pop(req.request_id)
         held = list(self.block_manager.block_table(req.request_id)) if req.is_finished and req.hold_kv else None
         return RequestOutput(req.request_id, new_ids, delta, req.is_finished, reason, self._usage(req), held,
-                             [logprobs] if logprobs is not None else None)
+                             [logprobs] if logprobs is not None else None,
+                             _times(req) if req.is_finished else None)
 
     def _detokenize(self, req: Request, stream: _Stream, new_ids: list[int]) -> str:
         """Text delta of new_ids. Several new tokens (a verification row) with stop strings go
@@ -316,3 +317,11 @@ class LLMEngine:
         return dict(spec_num_drafts=c.num_drafts, spec_num_draft_tokens=c.num_draft_tokens,
                     spec_num_accepted_tokens=c.num_accepted_tokens, spec_num_verify_steps=c.num_verify_steps,
                     spec_k_histogram=tuple(c.k_histogram))
+
+
+def _times(req: Request) -> RequestTimes:
+    def span(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else max(0.0, b - a)
+
+    return RequestTimes(span(req.arrival_time, req.scheduled_time), span(req.scheduled_time, req.first_token_time),
+                        span(req.first_token_time, req.finish_time))

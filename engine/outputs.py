@@ -13,6 +13,17 @@ class Usage:
     cached_tokens: int  # prompt tokens served from the prefix cache
 
 
+@dataclass(frozen=True)
+class RequestTimes:
+    """Where a finished request's time went on this engine, in seconds (vLLM's per-request
+    intervals): queue = arrival -> first scheduled; prefill = first scheduled -> first token;
+    decode = first token -> finish. An interval the request never reached is None."""
+
+    queue_s: float | None
+    prefill_s: float | None
+    decode_s: float | None
+
+
 @dataclass
 class RequestOutput:
     """One streamed update of one request.
@@ -22,7 +33,8 @@ class RequestOutput:
     text_delta: text that became safe to show (see proto/detokenizer.py).
     finish_reason: "stop" | "length" | "abort" | "error" once finished, else None.
     kv_block_ids: for a finished hold_kv request, the blocks it still holds (until release_kv).
-    logprobs: per new token, the sampler's TokenLogprobs, when params.logprobs > 0.
+    logprobs: per new token, the sampler's TokenLogprobs, when params.logprobs is set.
+    times: on the final output, where the request's time went (RequestTimes).
     """
 
     request_id: str
@@ -33,6 +45,7 @@ class RequestOutput:
     usage: Usage
     kv_block_ids: list[int] | None = None
     logprobs: list | None = None
+    times: RequestTimes | None = None  # on the final output
 
 
 @dataclass(frozen=True)

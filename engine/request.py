@@ -83,6 +83,7 @@ class Request:
     num_cached_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     state: RequestState = RequestState.WAITING
+    scheduled_time: float | None = None   # first moved to RUNNING (end of the queue time)
     first_token_time: float | None = None
     finish_time: float | None = None
     hold_kv: bool = False
@@ -117,5 +118,7 @@ class Request:
         if new_state not in TRANSITIONS[self.state]:
             raise IllegalTransition(f"request {self.request_id}: {self.state.name} -> {new_state.name}")
         self.state = new_state
+        if new_state == RequestState.RUNNING and self.scheduled_time is None:
+            self.scheduled_time = time.monotonic()
         if new_state.is_finished:
             self.finish_time = time.monotonic()

@@ -65,6 +65,7 @@ class PrefillWorker(WorkerCore):
                 final = out
             if final is None or not final.new_token_ids or final.finish_reason in ("error", "abort"):
                 raise WorkerError(grpc.StatusCode.UNAVAILABLE, f"prefill of {rid} ended without a token")
+            self.metrics.observe(final)
             nbytes, seconds = await self.pusher.finish(rid, list(final.kv_block_ids or []))
             self.holds.hold(rid, list(final.kv_block_ids or []), req.hold_seconds or None)
             done = True

@@ -79,6 +79,7 @@ class RouterService:
         self._tokenizer: RouterTokenizer | None = None
         self._chat_template = _read_template(config.chat_template)
         self._defaults: dict | None = None
+        self._last_model_id = ""
 
     # -- model facts, learned from the workers ------------------------------------------------
     def _info(self):
@@ -86,6 +87,20 @@ class RouterService:
         if info is None:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no live worker; retry later")
         return info
+
+    @property
+    def model_name(self) -> str:
+        """The metrics' model_name: the served id, or "" before any worker was seen."""
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        info = self.pool.any_info()
+        if info is not None:
+            self._last_model_id = info.model_id
+        return self._last_model_id
+
+    @property
+    def _m(self):
+        return self.metrics.model(self.model_name)
 
     @property
     def model_id(self) -> str:
@@ -167,13 +182,13 @@ class RouterService:
     async def stream(self, req: Prepared, timeout_s: float | None = None) -> AsyncIterator[Delta]:
         """Yield the request's deltas; raises ServiceError (the metrics count it either way)."""
         if self.waiting >= self.max_waiting:
-            self.metrics.errors.labels(code="RESOURCE_EXHAUSTED").inc()
+            self.metrics.errors(self.model_name, "RESOURCE_EXHAUSTED").inc()
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"more than {self.max_waiting} requests waiting; retry later")
         start = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + (timeout_s or self.config.request_timeout_s)
         self.waiting += 1
-        self.metrics.waiting.inc()
+        self._m.waiting.inc()
         started = False
         try:
             async with asyncio.timeout_at(deadline):
@@ -183,24 +198,24 @@ class RouterService:
                         self._move_to_running()
                     yield delta
         except TimeoutError:
-            self.metrics.errors.labels(code="DEADLINE_EXCEEDED").inc()
+            self.metrics.errors(self.model_name, "DEADLINE_EXCEEDED").inc()
             raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
         except ServiceError as e:
-            self.metrics.errors.labels(code=e.code.name).inc()
+            self.metrics.errors(self.model_name, e.code.name).inc()
             raise
         finally:
             if started:
                 self.running -= 1
-                self.metrics.running.dec()
+                self._m.running.dec()
             else:
                 self.waiting -= 1
-                self.metrics.waiting.dec()
+                self._m.waiting.dec()
 
     def _move_to_running(self) -> None:
         self.waiting -= 1
-        self.metrics.waiting.dec()
+        self._m.waiting.dec()
         self.running += 1
-        self.metrics.running.inc()
+        self._m.running.inc()
 
     async def _run(self, req: Prepared, start: float, deadline: float) -> AsyncIterator[Delta]:
         s = req.sampling
@@ -214,12 +229,12 @@ class RouterService:
                 if last_t is None:
                     ttft = now - start
                     first_t = now
-                    self.metrics.ttft.observe(ttft)
-                    self.metrics.kv_bytes.inc(tokens.kv_bytes)
+                    self._m.ttft.observe(ttft)
+                    self._m.kv_bytes.inc(tokens.kv_bytes)
                     if tokens.kv_bytes:
-                        self.metrics.kv_seconds.observe(tokens.transfer_seconds)
+                        self._m.kv_seconds.observe(tokens.transfer_seconds)
                 elif tokens.token_ids:
-                    self.metrics.itl.observe((now - last_t) / len(tokens.token_ids))
+                    self._m.itl.observe((now - last_t) / len(tokens.token_ids))
                 last_t = now
                 n_out += len(tokens.token_ids)
                 if tokens.usage is not None:
@@ -239,15 +254,15 @@ class RouterService:
 
     def _record_finish(self, finish: str, start: float, first_t: float, n_out: int, n_prompt: int,
                        cached: int) -> None:
-        m = self.metrics
+        m = self._m
         now = time.perf_counter()
         m.e2e.observe(now - start)
         if n_out > 1:
             m.tpot.observe((now - first_t) / (n_out - 1))
-        m.finished.labels(finish_reason=finish).inc()
+        self.metrics.finished(self.model_name, finish).inc()
         m.prompt_tokens.inc(n_prompt)
         m.generation_tokens.inc(n_out)
-        m.prefix_hits.inc(cached)
+        m.cached_tokens.inc(cached)
 
 
 # generation_config.json key -> our sampling field (transformers' names; vLLM reads the same keys)

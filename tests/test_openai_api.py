@@ -1,4 +1,4 @@
-"""The OpenAI / vLLM API fields end to end, with the official openai client (and gRPC) against a
+"""The OpenAI / vLLM API fields end to end, and the metrics the Grafana dashboard reads, with the official openai client (and gRPC) against a
 real cluster: real Ray, the real model, real gRPC and HTTP on 127.0.0.1.
 
 One disaggregated cluster started with the vLLM flags a user types (served model name, max model
@@ -33,7 +33,8 @@ def serving(ray_session):
     from router.app import RouterConfig
 
     spec = ClusterSpec(mode="disagg", kv_transport="tcp", num_prefill=1, num_decode=1, num_blocks=256,
-                       served_model_name=SERVED, max_model_len=1024, enable_prefix_caching=False)
+                       served_model_name=SERVED, max_model_len=1024, enable_prefix_caching=False,
+                       metrics_port=_free_port_run(3))  # workers: +1, +2
     with LocalServing(spec, RouterConfig(port=0, http_port=0, mode="disagg", served_model_name=SERVED)) as s:
         yield s
 
@@ -43,6 +44,28 @@ def client(serving):
     import openai
 
     return openai.OpenAI(base_url=serving.http_base_url, api_key="none", max_retries=0)
+
+
+def _free_port_run(n: int) -> int:
+    """A port p with p .. p+n-1 free on 127.0.0.1 (the workers' metrics ports are consecutive)."""
+    import random
+    import socket
+
+    for _ in range(100):
+        base = random.randint(20000, 60000)
+        try:
+            socks = []
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports")
 
 
 def _path(serving, path: str) -> None:
@@ -224,3 +247,33 @@ def test_grpc_carries_n_logprobs_echo_and_penalties(serving):
         next(iter(_stub(serving).Generate(api_pb2.GenerateRequest(
             model=SERVED, prompt=PROMPT, sampling=api_pb2.SamplingOptions(presence_penalty=5)))))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "presence_penalty" in e.value.details()
+
+
+def _metric_names(scrape: str) -> set[str]:
+    return {line.split("{", 1)[0].split(" ", 1)[0] for line in scrape.splitlines() if line and line[0] != "#"}
+
+
+def test_every_dashboard_metric_exists_in_a_live_scrape(serving, client):
+    """deploy/grafana/pdserve-dashboard.json uses exactly the names the router and the workers export."""
+    import json
+    import re
+    from pathlib import Path
+
+    client.completions.create(model=SERVED, prompt=PROMPT * 4, max_tokens=3, temperature=0)  # a disagg request
+    with pytest.raises(Exception):
+        client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=50, extra_body={"timeout": 0.001})
+    base = serving.spec.metrics_port
+    router = httpx.get(serving.http_base_url.removesuffix("/v1") + "/metrics").text
+    workers = [httpx.get(f"http://127.0.0.1:{base + i}/metrics").text for i in (1, 2)]
+    names = _metric_names(router) | set().union(*map(_metric_names, workers))
+    dashboard = json.loads((Path(__file__).parents[1] / "deploy/grafana/pdserve-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    used = {m for e in exprs for m in re.findall(r"pdserve:[A-Za-z0-9_:]+", e)}
+    assert len(used) >= 20 and not used - names, sorted(used - names)
+    # the labels operators query: model_name everywhere, finished_reason (vLLM's spelling)
+    assert re.search(r'pdserve:request_success_total\{[^}]*finished_reason="length"', router)
+    assert f'model_name="{SERVED}"' in router and all(f'model_name="{SERVED}"' in w for w in workers)
+    assert "finish_reason=" not in router
+    # router and workers never export the same name (a sum over one name would double count)
+    assert not (_metric_names(router) - {"pdserve:registry_connected"}) & set().union(*map(_metric_names, workers))
+    assert "pdserve:num_requests_running" not in _metric_names(router)

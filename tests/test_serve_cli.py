@@ -79,7 +79,7 @@ def test_serve_subprocess_health_answer_sigint(tmp_path):
         import httpx
 
         metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
-        assert "pdserve:time_to_first_token_seconds_count 1.0" in metrics
+        assert 'pdserve:time_to_first_token_seconds_count{model_name="smollm2-135m-instruct"} 1.0' in metrics
         out = (tmp_path / "serve.log").read_text()
         assert f"127.0.0.1:{grpc_port}" in out and "ready" in out
     finally:

@@ -23,6 +23,7 @@ from proto.kv_events import encode_record
 from proto.pdserve.v1 import api_pb2, worker_pb2
 from proto.sampling import InvalidRequest, SamplingParams, check_prompt, from_wire
 from worker.kv_events import KvEventPublisher
+from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class WorkerCore:
         self.model_config = model_config
         self.kv_metadata = b""
         self._background: set[asyncio.Task] = set()
+        self.metrics = WorkerMetrics(self)
         # KV events for routers' prefix indexes (worker/kv_events.py); engines without a block
         # manager (test doubles) publish nothing
         self.kv_events = KvEventPublisher(config.worker_id)
@@ -137,6 +139,8 @@ class WorkerCore:
             async with contextlib.aclosing(outputs):
                 async for out in outputs:
                     finished = out.finished
+                    if finished:
+                        self.metrics.observe(out)
                     yield token_chunk(out)
                     if finished:
                         return
