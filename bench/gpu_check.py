@@ -279,7 +279,29 @@ def _fp8_gemm_checks(dev, shapes=((1, 576, 1536), (64, 576, 1536), (300, 1536, 5
         except (RuntimeError, TypeError) as e:   # scale layout or shape this torch/GPU does not take
             out.append(check(f"  torch._scaled_mm {m}x{k}x{n}: not available ({str(e).splitlines()[0][:60]})",
                              0.0, None))
+    out.append(_fp8_linear_check(dev))
     return out
+
+
+def _fp8_linear_check(dev) -> dict:
+    """kernels/linear.py's Fp8Linear on cuda: its Triton kernel against its _scaled_mm kernel (or
+    the dequantized weight where _scaled_mm does not run), and which kernel it chose per bucket."""
+    import torch
+
+    from kernels.linear import Fp8Linear
+
+    gen = torch.Generator(device="cpu").manual_seed(4)
+    weight = (torch.randn(1536, 576, generator=gen) * 0.05).to(dev, torch.bfloat16)
+    x = torch.randn(64, 576, generator=gen).to(dev, torch.bfloat16)
+    layer = Fp8Linear(weight, None, torch.bfloat16)
+    if "triton" not in layer.kernel_choices:
+        return check("Fp8Linear: no triton kernel among its candidates", float("inf"), 0.0)
+    try:   # the same E4M3 products, summed in another order: one bf16 rounding apart
+        want, against, tol = layer.run_kernel("scaled_mm", x), "scaled_mm", 2 ** -6
+    except RuntimeError:   # against bf16 x times the dequantized weight: E4M3 activations cost a few %
+        want, against, tol = x.float() @ layer.dequantized_weight().T, "dequantized weight", 0.05
+    return check(f"Fp8Linear triton kernel vs {against}, 64x576x1536, rel.",
+                 _rel_err(layer.run_kernel("triton", x), want), tol, chosen=list(layer.kernel_names))
 
 
 def _rmsnorm_checks(dev) -> list[dict]:

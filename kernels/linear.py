@@ -235,6 +235,15 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
+def _triton_fp8_gemm():
+    """kernels.triton.fp8_gemm.fp8_gemm, or None where triton is not installed."""
+    try:
+        from kernels.triton.fp8_gemm import fp8_gemm
+    except ImportError:
+        return None
+    return fp8_gemm
+
+
 def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q float8_e4m3fn [M, K], scale float32 [M, 1]): dynamic, per row."""
     scale = x.float().abs().amax(dim=1, keepdim=True).clamp_(min=1e-12) / FP8_E4M3_MAX
@@ -276,6 +285,15 @@ class Fp8Linear(MeasuredLinear):
             return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s_row, out_dtype=dtype)
 
         kernels["scaled_mm"] = scaled_mm
+        if q.device.type == "cuda" and _triton_fp8_gemm() is not None:
+            fp8_gemm = _triton_fp8_gemm()
+
+            def triton_fp8(x: torch.Tensor) -> torch.Tensor:
+                # kernels/triton/fp8_gemm.py: for GPUs whose _scaled_mm cannot take these scales.
+                xq, xs = quantize_fp8_per_token(x)
+                return fp8_gemm(xq, q, xs, s, out_dtype=dtype)
+
+            kernels["triton"] = triton_fp8
         if q.device.type == "cpu":
             # E4M3 values are exact in bf16; the GEMM then multiplies and sums what _scaled_mm would.
             emulated = DenseLinear(q.to(torch.bfloat16), None)
