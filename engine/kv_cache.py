@@ -23,9 +23,36 @@ KV_LAYOUT = "LKBTHD"
 
 
 @dataclass(frozen=True)
+class KVFormat:
+    """What the bytes of a block mean: two caches exchange blocks only if their formats are equal.
+
+    dtype: element dtype name ("bfloat16", "float8_e4m3fn", ...); layout: KV_LAYOUT; head layout:
+    num_layers x num_kv_heads x head_dim; scales_digest: digest of an FP8 cache's dequantization
+    scales (engine/quantization/kv_scales.py; "" for a cache in the compute dtype): the same E4M3
+    bytes under different scales are different numbers.
+    """
+
+    dtype: str
+    layout: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    scales_digest: str = ""
+
+    def __str__(self) -> str:
+        scales = f"/scales:{self.scales_digest}" if self.scales_digest else ""
+        return (f"{self.dtype}/{self.layout}/bs{self.block_size}/L{self.num_layers}/"
+                f"kv{self.num_kv_heads}x{self.head_dim}{scales}")
+
+
+@dataclass(frozen=True)
 class KVCacheSpec:
     """Shape of a paged KV cache. Two caches can exchange blocks only if their specs match
-    (apart from num_blocks)."""
+    (apart from num_blocks): see ``kv_format``.
+
+    scales_digest: digest of the FP8 dequantization scales ("" for a cache in the compute dtype).
+    """
 
     num_layers: int
     num_kv_heads: int
@@ -34,6 +61,13 @@ class KVCacheSpec:
     num_blocks: int
     dtype: torch.dtype = torch.float32
     layout: str = KV_LAYOUT
+    scales_digest: str = ""
+
+    @property
+    def kv_format(self) -> KVFormat:
+        """The immutable descriptor of what a block's bytes mean (everything but num_blocks)."""
+        return KVFormat(str(self.dtype).removeprefix("torch."), self.layout, self.block_size, self.num_layers,
+                        self.num_kv_heads, self.head_dim, self.scales_digest)
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -18,10 +18,10 @@ import torch
 from engine.batch import SeqChunk
 from engine.kv_cache import KVCacheSpec, PagedKVCache
 from engine.model_config import ModelConfig
-from engine.errors import UserError
 from engine.model_loader import resolve_model
 from engine.quantization import check_kv_cache_dtype, check_quantization
 from engine.quantization.apply import apply_quantization
+from engine.quantization.kv_scales import CALIBRATION_TEXT, KVScales, load_or_calibrate, scales_from_amax
 from engine.models.llama import LlamaForCausalLM
 from kernels.attention import AttentionMetadata, get_attention_backend
 
@@ -61,19 +61,55 @@ class ModelRunner:
         log.info("attention backend: %s (asked for %s)", self.ops.name, attention_backend)
         self.quantization = check_quantization(quantization)
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
-        if kv_cache_dtype != "auto":
-            raise UserError(f"--kv-cache-dtype {kv_cache_dtype}: not available yet")
         self.model = load_model(self.model_config, dtype, self.device)
         # After loading and before the cache: the linears' kernels are timed here, once.
         apply_quantization(self.model, quantization)
         cfg = self.model_config
+        cache_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8_e4m3" else dtype
+        self.kv_scales: KVScales | None = None
+        if kv_cache_dtype == "fp8_e4m3":
+            self._use_fp8_kv_cache()
         if num_blocks is None:
             num_blocks = KVCacheSpec.blocks_for_memory(kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES,
                                                        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                                       block_size, dtype)
+                                                       block_size, cache_dtype)
         spec = KVCacheSpec(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                           block_size=block_size, num_blocks=num_blocks, dtype=dtype)
+                           block_size=block_size, num_blocks=num_blocks, dtype=cache_dtype,
+                           scales_digest=self.kv_scales.digest() if self.kv_scales is not None else "")
         self.kv_cache = PagedKVCache(spec, device=self.device)
+
+    def _use_fp8_kv_cache(self) -> None:
+        """Load (or calibrate once and store) the model's KV scales and hand them to every layer."""
+        if not getattr(self.ops, "supports_kv_scales", False):
+            log.warning("attention backend %s has no FP8 KV cache support: using the torch reference", self.ops.name)
+            self.ops = self._reference_ops
+            self.attention_backend = self.ops.name
+        cfg = self.model_config
+        self.kv_scales = load_or_calibrate(Path(cfg.path), cfg.num_layers, cfg.num_kv_heads, self._calibrate_kv_scales)
+        for l, layer in enumerate(self.model.model.layers):
+            k_scale, v_scale = self.kv_scales.layer(l)
+            layer.self_attn.k_scale, layer.self_attn.v_scale = k_scale.to(self.device), v_scale.to(self.device)
+
+    def _calibrate_kv_scales(self) -> KVScales:
+        """One forward over the calibration text with a cache in the compute dtype, recording each
+        layer's per-KV-head amax of K (after RoPE) and V."""
+        from engine.model_loader import load_tokenizer
+
+        cfg = self.model_config
+        ids = load_tokenizer(cfg.path)(CALIBRATION_TEXT.read_text())["input_ids"][:cfg.max_model_len]
+        spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.block_size,
+                           -(-len(ids) // self.block_size), self.dtype)
+        recorder = AmaxRecorder(self._reference_ops, cfg.num_layers)
+        ops, cache = self.ops, getattr(self, "kv_cache", None)
+        self.ops, self.kv_cache = recorder, PagedKVCache(spec, device=self.device)
+        try:
+            self.forward([SeqChunk(ids, 0, list(range(spec.num_blocks)), 1)], layer_hook=recorder.end_layer)
+        finally:
+            self.ops, self.kv_cache = ops, cache
+        what = f"{len(ids)} tokens of {CALIBRATION_TEXT.name}, {str(self.dtype).removeprefix('torch.')}, " \
+               f"quantization {self.quantization}"
+        log.info("calibrated FP8 KV scales on %s", what)
+        return scales_from_amax(recorder.k_amax, recorder.v_amax, what)
 
     @property
     def num_blocks(self) -> int:
@@ -150,3 +186,28 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Ll
 
     model.load_weights(weights(), dtype=dtype, device=device)
     return model.eval()
+
+
+class AmaxRecorder:
+    """An attention backend for calibration: the torch reference, recording per-KV-head amax of
+    every K and V written. ``end_layer(l)`` (the forward's layer hook) files the last write under layer l."""
+
+    name = "calibration"
+    metadata_groups = "all"
+
+    def __init__(self, reference, num_layers: int) -> None:
+        self._ref = reference
+        self.paged_attention = reference.paged_attention
+        self.k_amax: list[list[float]] = [[] for _ in range(num_layers)]
+        self.v_amax: list[list[float]] = [[] for _ in range(num_layers)]
+        self._last: tuple[list[float], list[float]] | None = None
+
+    def write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        self._last = (key.float().abs().amax(dim=(0, 2)).tolist(), value.float().abs().amax(dim=(0, 2)).tolist())
+        self._ref.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    def end_layer(self, l: int) -> None:
+        assert self._last is not None, "layer hook before any K/V write"
+        self.k_amax[l], self.v_amax[l] = self._last
+        self._last = None

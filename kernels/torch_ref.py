@@ -16,11 +16,58 @@ import torch.nn.functional as F
 from kernels.attention import AttentionGroup, AttentionMetadata
 
 
+FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+
+Scale = torch.Tensor | float | None
+"""A KV dequantization scale: an fp32 scalar, an fp32 [num_kv_heads] tensor, or None (a cache in
+the compute dtype). The cache holds ``x / scale``; attention reads ``stored * scale``."""
+
+
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """key/value [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at slot_mapping [T]."""
-    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: Scale = None,
+                   v_scale: Scale = None) -> None:
+    """key/value [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at slot_mapping [T].
+
+    An FP8 E4M3 cache stores ``x / scale`` rounded to E4M3 and saturated at +-448 (E4M3 has no
+    infinity: an out-of-range cast would be NaN). Raises ValueError for an FP8 cache without
+    scales (a silent 1.0 loses the small values of K/V to underflow).
+    """
+    _write_one(key, key_cache, slot_mapping, k_scale)
+    _write_one(value, value_cache, slot_mapping, v_scale)
+
+
+def _write_one(x: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, scale: Scale) -> None:
+    if cache.dtype == torch.float8_e4m3fn:
+        if scale is None:
+            raise ValueError("an FP8 E4M3 KV cache needs k_scale and v_scale")
+        x = quantize_kv(x, scale)
+        # As bytes: index_copy_ has no float8 kernel on CPU.
+        cache.view(torch.uint8).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x.view(torch.uint8))
+        return
+    if scale is not None:
+        raise ValueError(f"KV scales given for a {cache.dtype} cache (scales are for an FP8 cache)")
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x.to(cache.dtype))
+
+
+def quantize_kv(x: torch.Tensor, scale: Scale) -> torch.Tensor:
+    """x [T, Hkv, D] -> float8_e4m3fn ``x / scale`` (scale: scalar or [Hkv]), saturated at +-448."""
+    s = _scale_view(scale, x.shape[1], x.device, 3)
+    return (x.float() / s).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize_kv(stored: torch.Tensor, scale: Scale, dtype: torch.dtype, head_dim_axis: int) -> torch.Tensor:
+    """stored (E4M3) -> ``stored * scale`` in ``dtype``; the KV-head axis is ``head_dim_axis``."""
+    s = _scale_view(scale, stored.shape[head_dim_axis], stored.device, stored.dim(), head_dim_axis)
+    return (stored.float() * s).to(dtype)
+
+
+def _scale_view(scale: Scale, num_kv_heads: int, device: torch.device, ndim: int, axis: int = 1) -> torch.Tensor:
+    s = torch.as_tensor(scale, dtype=torch.float32, device=device).reshape(-1)
+    if s.numel() not in (1, num_kv_heads):
+        raise ValueError(f"a KV scale must be a scalar or [{num_kv_heads}], got {tuple(s.shape)}")
+    shape = [1] * ndim
+    shape[axis] = s.numel()
+    return s.view(shape)
 
 
 def gather_context(cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
@@ -35,30 +82,38 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     v_scale: torch.Tensor | float | None = None) -> torch.Tensor:
     """query [T, Hq, D] -> [T, Hq, D]: causal attention of each token over its sequence's cache.
 
-    meta must hold every group (``AttentionMetadata.build(groups="all")``). k_scale/v_scale:
-    only None so far (a cache in the compute dtype).
+    meta must hold every group (``AttentionMetadata.build(groups="all")``). k_scale/v_scale: the
+    dequantization scales of an FP8 cache (see ``Scale``); every path, prefill and decode, reads
+    the same stored bytes. Raises ValueError for an FP8 cache without scales.
     """
-    if k_scale is not None or v_scale is not None:
-        raise NotImplementedError("the torch reference has no FP8 KV cache scales yet")
     if len(meta.groups) == 1 and meta.groups[0].token_index is None:
-        return _attend_group(query, key_cache, value_cache, meta.groups[0], scale)
+        return _attend_group(query, key_cache, value_cache, meta.groups[0], scale, k_scale, v_scale)
     out = torch.empty_like(query)
     for group in meta.groups:
         q = query.index_select(0, group.token_index)
-        out.index_copy_(0, group.token_index, _attend_group(q, key_cache, value_cache, group, scale))
+        out.index_copy_(0, group.token_index, _attend_group(q, key_cache, value_cache, group, scale, k_scale, v_scale))
     return out
 
 
 def _attend_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                  group: AttentionGroup, scale: float) -> torch.Tensor:
+                  group: AttentionGroup, scale: float, k_scale: Scale = None, v_scale: Scale = None) -> torch.Tensor:
     """query [Tg, Hq, D] of the group's tokens -> [Tg, Hq, D]."""
-    keys = gather_context(key_cache, group).to(query.dtype)      # [Bg, Hkv, L, D]
-    values = gather_context(value_cache, group).to(query.dtype)
+    keys = _read(gather_context(key_cache, group), k_scale, query.dtype)      # [Bg, Hkv, L, D]
+    values = _read(gather_context(value_cache, group), v_scale, query.dtype)
     if group.max_query_len == 1:
         return _attend_decode(query, keys, values, group, scale)
     if group.num_seqs == 1:
         return _attend_one_sequence(query, keys, values, group, scale)
     return _attend_padded(query, keys, values, group, scale)
+
+
+def _read(stored: torch.Tensor, scale: Scale, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered [Bg, Hkv, L, D] context in the compute dtype (dequantized when the cache is FP8)."""
+    if stored.dtype == torch.float8_e4m3fn:
+        if scale is None:
+            raise ValueError("an FP8 E4M3 KV cache needs k_scale and v_scale")
+        return dequantize_kv(stored, scale, dtype, 1)
+    return stored.to(dtype)
 
 
 def _attend_decode(query, keys, values, group: AttentionGroup, scale: float) -> torch.Tensor:
@@ -106,5 +161,6 @@ class TorchAttention:
 
     name = "torch"
     metadata_groups = "all"
+    supports_kv_scales = True   # FP8 E4M3 caches with k_scale/v_scale
     write_kv_cache = staticmethod(write_kv_cache)
     paged_attention = staticmethod(paged_attention)

@@ -64,7 +64,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class CompatKey:
-    """Everything two caches must agree on before a single byte moves between them.
+    """Everything two caches must agree on before a single byte moves between them: the protocol,
+    the model, the cache's KV format descriptor (``engine.kv_cache.KVFormat``: dtype, layout,
+    block size, head layout, digest of the FP8 scales), one field each so a refusal names both
+    sides' value of every field that differs, and the speculative config.
 
     speculative: the speculative-decoding config of the pair (engine/spec_decode/config.py
     ``compat_descriptor``: method, draft model identity, k; "none" without speculation).
@@ -78,12 +81,14 @@ class CompatKey:
     block_size: int
     kv_dtype: str
     layout: str
+    kv_scales_digest: str = ""
     speculative: str = "none"
 
     @classmethod
     def from_spec(cls, spec: KVCacheSpec, model_id: str, speculative: str = "none") -> "CompatKey":
-        return cls(PROTOCOL_VERSION, model_id, spec.num_layers, spec.num_kv_heads, spec.head_dim,
-                   spec.block_size, dtype_name(spec.dtype), spec.layout, speculative)
+        f = spec.kv_format
+        return cls(PROTOCOL_VERSION, model_id, f.num_layers, f.num_kv_heads, f.head_dim, f.block_size, f.dtype,
+                   f.layout, kv_scales_digest=f.scales_digest, speculative=speculative)
 
     def check_matches(self, peer: "CompatKey") -> None:
         """Raise ``IncompatiblePeer`` naming every differing field with both values."""
@@ -109,7 +114,7 @@ class CompatKey:
         except (KeyError, TypeError) as e:
             raise IncompatiblePeer(f"peer metadata has no valid compatibility key: {e!r}") from None
         for f in fields(cls):
-            want = int if f.name not in ("model_id", "kv_dtype", "layout", "speculative") else str
+            want = int if f.name not in ("model_id", "kv_dtype", "layout", "kv_scales_digest", "speculative") else str
             if type(kwargs[f.name]) is not want:
                 raise IncompatiblePeer(f"peer compatibility key field {f.name}={kwargs[f.name]!r} "
                                        f"is not {want.__name__}")

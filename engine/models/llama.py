@@ -83,6 +83,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim ** -0.5
+        # FP8 KV cache: fp32 [num_kv_heads] dequantization scales, set at load (None: cache in the compute dtype).
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, meta: AttentionMetadata, ops: AttentionBackend) -> torch.Tensor:
@@ -90,10 +93,12 @@ class Attention(nn.Module):
         q = apply_rope(self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        ops.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        # A backend that reads the new K/V directly (a prefill chunk from position 0) says so.
-        new_kv = {"key": k, "value": v} if getattr(ops, "reads_new_kv", False) else {}
-        out = ops.paged_attention(q, key_cache, value_cache, meta, self.scale, **new_kv)
+        kv_scales = {} if self.k_scale is None else {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        ops.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping, **kv_scales)
+        # A backend that reads the new K/V directly (a prefill chunk from position 0) says so; never
+        # with an FP8 cache, where prefill must attend over the same quantized bytes as decode.
+        new_kv = {"key": k, "value": v} if getattr(ops, "reads_new_kv", False) and not kv_scales else {}
+        out = ops.paged_attention(q, key_cache, value_cache, meta, self.scale, **kv_scales, **new_kv)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

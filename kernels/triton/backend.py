@@ -147,5 +147,6 @@ class TritonAttention:
     name = "triton"
     metadata_groups = "long"      # the reference's groups for long chunks only
     reads_new_kv = True           # paged_attention takes key=/value= (long chunks from position 0)
+    supports_kv_scales = True   # FP8 E4M3 caches with k_scale/v_scale (read by engine.model_runner)
     write_kv_cache = staticmethod(write_kv_cache)
     paged_attention = staticmethod(paged_attention)
