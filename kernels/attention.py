@@ -251,8 +251,8 @@ def _auto_backend(device: torch.device) -> str:
         return "torch"
     from kernels.cpu_attention import load_extension
 
-    module, reason = load_extension()
-    if module is None:
+    op, reason = load_extension()
+    if op is None:
         log.warning("attention backend auto: %s; using the torch reference (slower: it copies every "
                     "context out of the paged cache in every layer)", reason)
         return "torch"

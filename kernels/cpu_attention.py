@@ -14,10 +14,10 @@ What runs where, per sequence of the flat batch (see AttentionMetadata):
 
 The extension is built once per machine with ``torch.utils.cpp_extension.load`` (``-O3
 -march=native -fopenmp``) into a cache directory keyed by the CPU capability and torch version
-(``$PDSERVE_KERNEL_CACHE`` or ``~/.cache/pdserve/kernels``); a build takes ~30-60 s on these
-machines, a cached load ~20 ms. ``load_extension`` returns ``None`` with a reason when the build
-is impossible (no compiler, no ninja, a compile error), so ``get_attention_backend("auto")`` can
-fall back to the torch reference and say why.
+(``$PDSERVE_KERNEL_CACHE`` or ``~/.cache/pdserve/kernels``); a build takes ~10 s of CPU on these
+machines (minutes of wall time when they are busy), a cached load ~20 ms. ``load_extension``
+returns ``None`` with a reason when the build is impossible (no compiler, no ninja, a compile
+error), so ``get_attention_backend("auto")`` can fall back to the torch reference and say why.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import ModuleType
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,7 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
 EXTENSION = "pdserve_paged_attention"
 
 _lock = threading.Lock()
-_loaded: tuple[ModuleType | None, str] | None = None   # (module, reason it is None)
+_loaded: tuple[Callable | None, str] | None = None   # (the operator, the reason it is None)
 
 
 def cache_dir() -> Path:
@@ -55,8 +55,9 @@ def cache_dir() -> Path:
     return root / f"paged_attention-{tag}"
 
 
-def load_extension() -> tuple[ModuleType | None, str]:
-    """The compiled kernel module (built on first use, then cached), or (None, why not).
+def load_extension() -> tuple[Callable | None, str]:
+    """The compiled kernel (the torch operator ``torch.ops.pdserve_attn.paged_attention_short``,
+    built on first use, then cached), or (None, why not).
 
     Never raises: a missing compiler or ninja, or a failed compile, is returned as the reason.
     """
@@ -67,13 +68,13 @@ def load_extension() -> tuple[ModuleType | None, str]:
         return _loaded
 
 
-def _build() -> tuple[ModuleType | None, str]:
+def _build() -> tuple[Callable | None, str]:
     build_dir = cache_dir()
     flags = ["-O3", "-fopenmp"] + (["-march=native"] if _is_x86() else [])
     stamp = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()
-    cached = _load_cached(build_dir, stamp)
-    if cached is not None:
-        return cached, ""
+    library = build_dir / f"{EXTENSION}.so"
+    if _load_cached(library, build_dir / "source.sha256", stamp):
+        return torch.ops.pdserve_attn.paged_attention_short, ""
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         return None, f"no C++ compiler ({compiler!r} not on PATH)"
@@ -84,30 +85,30 @@ def _build() -> tuple[ModuleType | None, str]:
 
     build_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    print(f"pdserve: building the CPU attention kernel into {build_dir} (once per machine; about 20 s)...",
+          file=sys.stderr, flush=True)
     try:
-        module = cpp_extension.load(name=EXTENSION, sources=[str(SOURCE)], extra_cflags=flags,
-                                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        cpp_extension.load(name=EXTENSION, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                           build_directory=str(build_dir), is_python_module=False, verbose=False)
+        op = torch.ops.pdserve_attn.paged_attention_short
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the reference", with the reason
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return None, f"building {SOURCE.name} failed: {first_line} (build dir {build_dir})"
     (build_dir / "source.sha256").write_text(stamp + "\n")
-    log.info("built the cpu attention kernel in %.0f s (%s)", time.monotonic() - started, build_dir)
-    return module, ""
+    print(f"pdserve: built the CPU attention kernel in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+    return op, ""
 
 
-def _load_cached(build_dir: Path, stamp: str) -> ModuleType | None:
-    """The module built earlier from this very source and flags, loaded without cpp_extension
-    (whose import and ninja check cost each worker process seconds); None if there is none."""
-    library = build_dir / f"{EXTENSION}.so"
+def _load_cached(library: Path, stamp_file: Path, stamp: str) -> bool:
+    """Load the library built earlier from this very source and flags, without cpp_extension
+    (whose import and ninja check cost each worker process seconds); False if there is none."""
     try:
-        if not library.exists() or (build_dir / "source.sha256").read_text().strip() != stamp:
-            return None
-        spec = importlib.util.spec_from_file_location(EXTENSION, library)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    except (OSError, ImportError):
-        return None
+        if not library.exists() or stamp_file.read_text().strip() != stamp:
+            return False
+        torch.ops.load_library(str(library))
+        return True
+    except (OSError, RuntimeError):
+        return False
 
 
 def _put_ninja_on_path() -> None:
@@ -143,10 +144,10 @@ class CpuAttention:
     write_kv_cache = staticmethod(torch_ref.write_kv_cache)
 
     def __init__(self) -> None:
-        module, reason = load_extension()
-        if module is None:
+        op, reason = load_extension()
+        if op is None:
             raise RuntimeError(f"the cpu attention kernel is unavailable: {reason}")
-        self._ext = module
+        self._op = op
 
     def paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | float | None = None,
@@ -163,7 +164,7 @@ class CpuAttention:
             raise ValueError(f"the cpu attention backend needs CPU tensors, got {query.device}")
         query = query if query.stride(-1) == 1 else query.contiguous()
         out = torch.empty_like(query)
-        self._ext.paged_attention_short(out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+        self._op(out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                                         meta.query_start_loc, float(scale), MAX_PADDED_QUERY_LEN)
         for group in meta.groups:   # long chunks, one sequence each
             rows = group.token_index
