@@ -48,11 +48,24 @@ _lock = threading.Lock()
 _loaded: tuple[Callable | None, str] | None = None   # (the operator, the reason it is None)
 
 
+FLAGS = ["-O3", "-fopenmp"]
+
+
+def _flags() -> list[str]:
+    return FLAGS + (["-march=native"] if _is_x86() else [])
+
+
+def _stamp() -> str:
+    return hashlib.sha256(SOURCE.read_bytes() + " ".join(_flags()).encode()).hexdigest()
+
+
 def cache_dir() -> Path:
-    """Where the built extension lives: one directory per CPU capability and torch version."""
+    """Where the built extension lives: one directory per CPU capability, torch version and
+    source (checkouts with different sources, sharing one home directory, never overwrite
+    each other's build)."""
     root = Path(os.environ.get("PDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pdserve" / "kernels")
     tag = f"{torch.backends.cpu.get_cpu_capability().lower()}-torch{torch.__version__.replace('+', '_')}"
-    return root / f"paged_attention-{tag}"
+    return root / f"paged_attention-{tag}-{_stamp()[:12]}"
 
 
 def load_extension() -> tuple[Callable | None, str]:
@@ -70,8 +83,7 @@ def load_extension() -> tuple[Callable | None, str]:
 
 def _build() -> tuple[Callable | None, str]:
     build_dir = cache_dir()
-    flags = ["-O3", "-fopenmp"] + (["-march=native"] if _is_x86() else [])
-    stamp = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()
+    flags, stamp = _flags(), _stamp()
     library = build_dir / f"{EXTENSION}.so"
     if _load_cached(library, build_dir / "source.sha256", stamp):
         return torch.ops.pdserve_attn.paged_attention_short, ""
