@@ -22,7 +22,7 @@ from bench import peers as bench_peers
 from bench import profile as bench_profile
 from bench import serve as bench_serve
 from bench import spec as bench_spec
-from deploy import generate_cmd, plan_cmd, router_cmd, serve_cmd, status_cmd
+from deploy import generate_cmd, plan_cmd, router_cmd, scale_cmd, serve_cmd, status_cmd
 from engine.errors import UserError
 from evals import perplexity as eval_perplexity
 from proto.sampling import InvalidRequest
@@ -39,6 +39,7 @@ app.command("serve")(serve_cmd.command)
 app.command("router")(router_cmd.command)
 app.command("status")(status_cmd.command)
 app.command("plan")(plan_cmd.command)
+app.command("scale")(scale_cmd.command)
 app.command("profile")(bench_profile.command)
 bench_app.command("engine")(bench_engine.command)
 bench_app.command("attention")(bench_attention.command)

@@ -24,6 +24,8 @@ from worker.core import WorkerConfig
 log = logging.getLogger(__name__)
 
 SUPERVISE_INTERVAL_S = 0.5
+DRAIN_SETTLE_S = 1.0   # > the router's worker poll interval: no request is routed to a drained worker after it
+DRAIN_POLL_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,12 @@ class WorkerActor:
         self._server.worker.kv_events.skip_next = n
         return self._server.worker.kv_events.seq
 
+    async def deregister(self) -> None:
+        """Leave the registry (drain's first step): routers stop choosing this worker; it keeps serving."""
+        if self._registration is not None:
+            await self._registration.stop()
+            self._registration = None
+
     async def stop(self) -> None:
         if self._registration is not None:  # deregister first: routers stop sending new requests
             await self._registration.stop()
@@ -157,6 +165,14 @@ class WorkerActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def is_idle(self) -> bool:
+        """Nothing in flight: no running, waiting, reserved (KV incoming) or held (KV outgoing) request."""
+        if self._server is None:
+            return True
+        s = self._server.worker.engine.stats()
+        leases = getattr(self._server.worker.worker_stats(), "leases", 0)
+        return not (s.running or s.waiting or s.waiting_for_remote_kv or s.held_kv or leases)
 
     def node_id(self) -> str:
         """The Ray node this worker was placed on (hex id)."""
@@ -172,18 +188,23 @@ class ClusterController:
         import ray
 
         self.spec = spec
-        actor_cls = ray.remote(max_restarts=-1, max_task_retries=0)(WorkerActor)
+        self._actor_cls = ray.remote(max_restarts=-1, max_task_retries=0)(WorkerActor)
         self._configs = spec.worker_configs()
-        self._actors = {
-            c.worker_id: actor_cls.options(
-                name=f"pdserve-{c.worker_id}-{os.getpid()}", num_cpus=spec.num_cpus_per_worker,
-                num_gpus=spec.num_gpus_per_worker, resources=spec.role_resources(c.role),
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(c.num_threads)}}).remote(
-                    c, spec.registry_url, spec.registry_ttl_s)
-            for c in self._configs}
+        self._actors = {c.worker_id: self._spawn(c) for c in self._configs}
         self._roles = {c.worker_id: c.role for c in self._configs}
         self._addresses: dict[str, str] = {}
-        self._supervisors: list[asyncio.Task] = []
+        self._supervisors: dict[str, asyncio.Task] = {}
+        self._starting: set[str] = set()      # scaled up, still loading
+        self._draining: dict[str, asyncio.Task] = {}
+        self._next_index = {role: sum(1 for c in self._configs if c.role == role) for role in ("prefill", "decode", "agg")}
+        self.drained: list[str] = []           # worker ids drained and stopped, in order
+
+    def _spawn(self, c: WorkerConfig):
+        return self._actor_cls.options(
+            name=f"pdserve-{c.worker_id}-{os.getpid()}", num_cpus=self.spec.num_cpus_per_worker,
+            num_gpus=self.spec.num_gpus_per_worker, resources=self.spec.role_resources(c.role),
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(c.num_threads)}}).remote(
+                c, self.spec.registry_url, self.spec.registry_ttl_s)
 
     async def start(self, timeout_s: float | None = None) -> None:
         """Boot every worker (loads the models in parallel); raises TimeoutError or the worker's error.
@@ -191,7 +212,7 @@ class ClusterController:
         async with asyncio.timeout(timeout_s or self.spec.worker_start_timeout_s):
             addresses = await asyncio.gather(*(a.ensure_started.remote() for a in self._actors.values()))
         self._addresses = dict(zip(self._actors, addresses))
-        self._supervisors = [asyncio.create_task(self._supervise(wid)) for wid in self._actors]
+        self._supervisors = {wid: asyncio.create_task(self._supervise(wid)) for wid in self._actors}
 
     async def list_workers(self) -> list[WorkerEndpoint]:
         """The registry call: every worker that is up, with its current address."""
@@ -209,6 +230,108 @@ class ClusterController:
         nodes = await asyncio.gather(*(self._actors[w].node_id.remote() for w in ids))
         return dict(zip(ids, nodes))
 
+    # -- scaling ---------------------------------------------------------------------------------
+    def replicas(self) -> dict[str, dict[str, int]]:
+        """Per role: ready (serving, in the registry), starting (loading) and draining workers."""
+        out = {}
+        for role in sorted(set(self._roles.values())):
+            ids = [w for w, r in self._roles.items() if r == role]
+            out[role] = {"ready": sum(1 for w in ids if w in self._addresses and w not in self._draining),
+                         "starting": sum(1 for w in ids if w in self._starting),
+                         "draining": sum(1 for w in ids if w in self._draining)}
+        return out
+
+    def metrics_targets(self) -> dict[str, tuple[str, str]]:
+        """worker id -> (role, its /metrics URL), for serving workers that export metrics."""
+        return {c.worker_id: (c.role, f"http://{c.host}:{c.metrics_port}/metrics") for c in self._configs
+                if c.metrics_port is not None and c.worker_id in self._addresses and c.worker_id not in self._draining}
+
+    def _active(self, role: str) -> list[str]:
+        """Workers of a role that count toward its size: up or starting, not draining (oldest first)."""
+        ids = [w for w, r in self._roles.items() if r == role and w not in self._draining]
+        return sorted(ids, key=lambda w: int(w.rsplit("-", 1)[1]))
+
+    async def scale(self, role: str, target: int) -> dict[str, list[str]]:
+        """Grow or shrink ``role`` to ``target`` workers (starting ones count, draining ones do not).
+
+        Growing starts actors in the background (they join the registry when they serve);
+        shrinking drains the newest: out of the registry at once (routers stop choosing them),
+        then stopped once idle (no running, waiting, reserved or held request). A drain never
+        fails a request. Returns the ids started and the ids set draining. ValueError for an
+        unknown role or a negative target.
+        """
+        if role not in set(self._roles.values()) | {"prefill", "decode", "agg"}:
+            raise ValueError(f"unknown role {role!r}")
+        if target < 0 or (role != "prefill" and target < 1):
+            raise ValueError(f"{role} target must be >= {0 if role == 'prefill' else 1}, got {target}")
+        active = self._active(role)
+        started, drained = [], []
+        for _ in range(target - len(active)):
+            started.append(self._grow(role))
+        for wid in active[target:][::-1]:
+            drained.append(wid)
+            self._draining[wid] = asyncio.create_task(self._drain(wid))
+        return {"started": started, "draining": drained}
+
+    def _grow(self, role: str) -> str:
+        template = next((c for c in self._configs if c.role == role), None) or replace(self._configs[0], role=role)
+        wid = f"{role}-{self._next_index.get(role, 0)}"
+        self._next_index[role] = self._next_index.get(role, 0) + 1
+        port = None if self.spec.metrics_port is None else self.spec.metrics_port + 1 + len(self._roles)
+        config = replace(template, worker_id=wid, metrics_port=port)
+        self._configs.append(config)
+        self._roles[wid] = role
+        self._actors[wid] = self._spawn(config)
+        self._starting.add(wid)
+        self._supervisors[wid] = asyncio.create_task(self._boot_then_supervise(wid))
+        return wid
+
+    async def _boot_then_supervise(self, wid: str) -> None:
+        try:
+            async with asyncio.timeout(self.spec.worker_start_timeout_s):
+                self._addresses[wid] = await self._actors[wid].ensure_started.remote()
+            log.info("worker %s started at %s", wid, self._addresses[wid])
+        except Exception as e:  # noqa: BLE001 - a failed start is logged; supervision keeps retrying
+            log.warning("worker %s failed to start: %s", wid, e)
+        finally:
+            self._starting.discard(wid)
+        await self._supervise(wid)
+
+    async def _drain(self, wid: str) -> None:
+        """Deregister, wait until nothing is in flight on the worker, then stop it."""
+        import ray
+
+        self._addresses.pop(wid, None)
+        sup = self._supervisors.pop(wid, None)
+        if sup is not None:
+            sup.cancel()
+        try:
+            await self._actors[wid].deregister.remote()
+        except Exception as e:  # noqa: BLE001 - a dead worker has nothing to drain
+            log.info("worker %s: deregister failed (%s)", wid, type(e).__name__)
+        # Routers refresh their view every poll interval: one they chose us in just before still lands.
+        await asyncio.sleep(DRAIN_SETTLE_S)
+        actor = self._actors[wid]
+        while True:
+            try:
+                if await actor.is_idle.remote():
+                    break
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                break
+            await asyncio.sleep(DRAIN_POLL_S)
+        try:
+            async with asyncio.timeout(30):
+                await actor.stop.remote()
+        except Exception as e:  # noqa: BLE001 - it is killed below either way
+            log.warning("worker %s did not stop cleanly: %s", wid, e)
+        ray.kill(actor, no_restart=True)
+        for table in (self._actors, self._roles):
+            table.pop(wid, None)
+        self._configs = [c for c in self._configs if c.worker_id != wid]
+        self._draining.pop(wid, None)
+        self.drained.append(wid)
+        log.info("worker %s drained and stopped", wid)
+
     async def _supervise(self, wid: str) -> None:
         import ray
 
@@ -220,6 +343,8 @@ class ClusterController:
                 if self._addresses.pop(wid, None):
                     log.warning("worker %s is down (%s); Ray restarts it", wid, type(e).__name__)
                 continue
+            if wid in self._draining:
+                return
             if self._addresses.get(wid) != addr:
                 log.info("worker %s is up at %s", wid, addr)
                 self._addresses[wid] = addr
@@ -228,9 +353,10 @@ class ClusterController:
         """Stop the supervisors, then every worker (gracefully, then by force)."""
         import ray
 
-        for t in self._supervisors:
+        tasks = [*self._supervisors.values(), *self._draining.values()]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._supervisors, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         try:
             async with asyncio.timeout(30):
                 await asyncio.gather(*(a.stop.remote() for a in self._actors.values()), return_exceptions=True)

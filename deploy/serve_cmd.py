@@ -8,6 +8,7 @@ loopback-only network namespace on machines like the development boxes (see MACH
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -22,6 +23,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 MODEL, CLUSTER, SCHED, NET, ROUTER, LEASES = ("Model", "Cluster", "Scheduler and KV cache", "Network",
                                               "Router", "Timeouts, leases and retries")
 SPEC = "Speculative decoding"
+SCALE = "Autoscaling"
 
 
 def command(
@@ -107,6 +109,19 @@ def command(
     speculative_model: Optional[str] = typer.Option(None, help="Draft model (method draft).", rich_help_panel=SPEC),
     spec_ngram_max: int = typer.Option(4, help="Longest n-gram matched (method ngram).", rich_help_panel=SPEC),
     spec_ngram_min: int = typer.Option(2, help="Shortest n-gram matched (method ngram).", rich_help_panel=SPEC),
+    autoscale: bool = typer.Option(False, help="Run the SLA planner: scale prefill and decode pools to the --slo.",
+                                   rich_help_panel=SCALE),
+    slo: str = typer.Option("ttft:2000,itl:200", help="Planner SLOs in ms: ttft:MS,itl:MS.", rich_help_panel=SCALE),
+    profile: Optional[Path] = typer.Option(None, help="Worker profile JSON from `pdserve profile` (needed by "
+                                                      "--autoscale).", rich_help_panel=SCALE),
+    planner_interval: float = typer.Option(60.0, min=1.0, help="Seconds between SLA planner decisions.",
+                                           rich_help_panel=SCALE),
+    min_prefill: int = typer.Option(1, min=0, help="Fewest prefill workers the planner keeps.", rich_help_panel=SCALE),
+    max_prefill: int = typer.Option(4, min=0, help="Most prefill workers the planner starts.", rich_help_panel=SCALE),
+    min_decode: int = typer.Option(1, min=1, help="Fewest decode workers the planner keeps.", rich_help_panel=SCALE),
+    max_decode: int = typer.Option(4, min=1, help="Most decode workers the planner starts.", rich_help_panel=SCALE),
+    admin_port: int = typer.Option(8100, help="Admin HTTP port (replicas, planner decision, `pdserve scale`; "
+                                              "-1: off). Binds --host.", rich_help_panel=SCALE),
 ) -> None:
     """pdserve serve [MODEL]: start the router and workers on Ray."""
     import asyncio
@@ -158,7 +173,9 @@ def command(
                           worker_poll_interval_s=worker_poll_interval, worker_rpc_timeout_s=worker_rpc_timeout,
                           routing=routing)
     print(f"pdserve: {rt.describe()}", flush=True)
-    asyncio.run(_serve(spec, router, ray_address or None, routers))
+    scaling = scaling_options(autoscale, slo, profile, planner_interval, min_prefill, max_prefill, min_decode,
+                              max_decode, admin_port, mode, metrics_port)
+    asyncio.run(_serve(spec, router, ray_address or None, routers, scaling))
 
 
 def _model(positional: str | None, option: str | None) -> str:
@@ -187,7 +204,41 @@ def replica_config(config, i: int):
                    http_port=config.http_port + i if config.http_port else config.http_port, metrics_port=None)
 
 
-async def _serve(spec, router_config, ray_address: str | None, n_routers: int = 1) -> None:
+@dataclass(frozen=True)
+class ScalingOptions:
+    """The planner's settings (None = no autoscaling) and the admin port (None = off)."""
+
+    planner: "object | None"
+    profile: "object | None"
+    admin_port: int | None
+    max_workers: int
+
+
+def scaling_options(autoscale, slo, profile, interval, min_p, max_p, min_d, max_d, admin_port, mode,
+                    metrics_port) -> ScalingOptions:
+    """Validate the autoscaling flags (UserError naming the flag) before anything starts."""
+    from deploy.plan_cmd import load_profile, parse_slo
+    from planner.sla import PlannerConfig
+
+    if min_p > max_p or min_d > max_d:
+        raise UserError("--min-prefill/--max-prefill and --min-decode/--max-decode: each min must be <= its max")
+    max_workers = max_d if mode == "agg" else max_p + max_d
+    if not autoscale:
+        return ScalingOptions(None, None, None if admin_port < 0 else admin_port, max_workers)
+    if profile is None:
+        raise UserError("--autoscale needs --profile (a worker profile from `pdserve profile`)")
+    if metrics_port < 0:
+        raise UserError("--autoscale reads the router's metrics: --metrics-port must not be -1")
+    if admin_port < 0:
+        raise UserError("--autoscale serves its decisions on the admin port: --admin-port must not be -1")
+    ttft, itl = parse_slo(slo)
+    cfg = PlannerConfig(ttft_slo_ms=ttft, itl_slo_ms=itl, interval_s=interval, min_prefill=0 if mode == "agg" else min_p,
+                        max_prefill=0 if mode == "agg" else max_p, min_decode=min_d, max_decode=max_d)
+    return ScalingOptions(cfg, load_profile(str(profile)), admin_port, max_workers)
+
+
+async def _serve(spec, router_config, ray_address: str | None, n_routers: int = 1,
+                 scaling: ScalingOptions | None = None) -> None:
     import asyncio
     import signal
 
@@ -196,14 +247,16 @@ async def _serve(spec, router_config, ray_address: str | None, n_routers: int = 
     from router.redis_registry import RedisRegistry
     from router.registry import CallableRegistry
 
+    scaling = scaling or ScalingOptions(None, None, None, 0)
     n_workers = len(spec.worker_configs())
-    init_ray(ray_address, num_cpus=None if ray_address else max(n_workers, 2))
+    init_ray(ray_address, num_cpus=None if ray_address else max(n_workers, scaling.max_workers, 2))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     controller = ClusterController(spec)
     routers: list[Router] = []
+    autoscaler = admin = None
     try:
         print(f"pdserve: starting {n_workers} workers ({spec.mode}, kv transport {spec.kv_transport})...", flush=True)
         await _until_stopped(controller.start(), stop)
@@ -219,12 +272,21 @@ async def _serve(spec, router_config, ray_address: str | None, n_routers: int = 
             lines += [f"  http     http://{ep.http}/v1"] if ep.http else []
             lines += [f"  metrics  http://{ep.metrics}/metrics"] if ep.metrics else []
         print("\n".join(lines), flush=True)
+        autoscaler, admin = await _start_scaling(controller, scaling, spec.host, routers[0].endpoints.metrics)
+        if admin is not None:
+            print(f"  admin    http://{spec.host}:{scaling.admin_port}/v1/cluster"
+                  + (" (autoscaling)" if autoscaler else ""), flush=True)
         for w in await controller.list_workers():
             print(f"  worker   {w.id:<10} {w.role:<8} {w.address}", flush=True)
         print("pdserve: ready (Ctrl-C drains and stops)", flush=True)
         await stop.wait()
         print("pdserve: draining...", flush=True)
     finally:
+        if autoscaler is not None:
+            await autoscaler.stop()
+        if admin is not None:
+            admin[0].should_exit = True
+            await admin[1]
         for router in routers:
             await router.stop()
         await controller.stop()
@@ -232,6 +294,28 @@ async def _serve(spec, router_config, ray_address: str | None, n_routers: int = 
 
         ray.shutdown()
         print("pdserve: stopped", flush=True)
+
+
+async def _start_scaling(controller, scaling: ScalingOptions, host: str, router_metrics: str | None):
+    """The planner loop (with --autoscale) and the admin endpoint (unless --admin-port -1)."""
+    from deploy.admin import build_admin_app, serve_admin
+
+    autoscaler = None
+    if scaling.planner is not None:
+        from deploy.autoscaler import Autoscaler
+        from planner.sla import SlaPlanner
+
+        planner = SlaPlanner(scaling.planner, scaling.profile)
+        reps = controller.replicas()
+        planner.adopt(0.0, reps.get("prefill", {}).get("ready", 0),
+                      reps.get("decode", reps.get("agg", {})).get("ready", 1))   # start from what runs
+        autoscaler = Autoscaler(controller, planner, f"http://{router_metrics}/metrics",
+                                load_interval_s=min(5.0, scaling.planner.interval_s))
+        autoscaler.start()
+    admin = None
+    if scaling.admin_port is not None:
+        admin = await serve_admin(build_admin_app(controller, autoscaler), host, scaling.admin_port)
+    return autoscaler, admin
 
 
 async def _until_stopped(coro, stop) -> None:

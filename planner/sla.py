@@ -17,9 +17,11 @@ Two loops, after NVIDIA Dynamo's SLA planner:
 
     with ``u`` the planned utilization (1 = Dynamo's formulas exactly).
 
-2. **Load loop** (fast). Decode KV-cache usage and prefill queue depth per worker against high
-   and low water marks: one more worker when a mark is crossed for ``patience`` samples in a
-   row, one fewer when load stays under the low mark, each direction with its own cooldown.
+2. **Load loop** (fast, up only). Decode KV-cache usage and prefill queue depth per worker
+   against high water marks: one more worker when a mark is crossed for ``patience`` samples in
+   a row, with a cooldown. It never shrinks a pool: low KV usage says nothing about throughput
+   (a pool of short requests is busy at 5% usage), so scale-down is the SLA loop's, with its
+   hysteresis. (The low marks are kept for the simulator's and operators' views.)
 
 Targets are absolute replica counts: replicas that are still starting count toward them (the
 actuator adds ``target - (ready + starting)``), so a pending start is never asked for twice and
@@ -221,7 +223,7 @@ class SlaPlanner:
 
     # -- the load loop ---------------------------------------------------------------------------
     def decide_load(self, now: float, s: LoadSample) -> Decision | None:
-        """One step up or down on a crossed water mark; None when nothing changes."""
+        """One step up on a crossed high water mark; None when nothing changes."""
         c = self.config
         moved = []
         for name, pool, value, high, low, lo, hi in (
@@ -243,9 +245,6 @@ class SlaPlanner:
         if pool.high >= c.patience and pool.target < hi and now - pool.last_up >= c.cooldown_up_s:
             pool.target, pool.last_up, pool.high = pool.target + 1, now, 0
             return 1
-        if pool.low >= c.patience and pool.target > lo and now - max(pool.last_down, pool.last_up) >= c.cooldown_down_s:
-            pool.target, pool.last_down, pool.low = pool.target - 1, now, 0
-            return -1
         return 0
 
     # -- manual operations -----------------------------------------------------------------------

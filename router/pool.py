@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -29,6 +30,10 @@ log = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 2.0
 MODEL_FILES_TIMEOUT_S = 30.0  # a few MB, once
+# A worker that left the registry (drained, restarted elsewhere) keeps its channel until no
+# request of ours has been on it for this long: its streams finish and their Abort/Release
+# calls still go through, instead of failing on a closed channel.
+RETIRE_GRACE_S = 30.0
 
 
 @dataclass
@@ -65,6 +70,7 @@ class WorkerPool:
         self._poll_s = poll_interval_s
         self._rpc_timeout_s = rpc_timeout_s
         self._workers: dict[str, WorkerHandle] = {}
+        self._retired: list[list] = []   # [handle, monotonic time its in-flight count was last seen 0, or None]
         self._task: asyncio.Task | None = None
         self.changed = asyncio.Event()
         self.model_files: dict[str, bytes] | None = None  # from the first worker (all serve one model)
@@ -77,9 +83,10 @@ class WorkerPool:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        for w in self._workers.values():
+        for w in [*self._workers.values(), *(r[0] for r in self._retired)]:
             await w.channel.close()
         self._workers.clear()
+        self._retired.clear()
 
     def workers(self, role: str | None = None) -> list[WorkerHandle]:
         return [w for w in self._workers.values() if role is None or w.endpoint.role == role]
@@ -104,11 +111,26 @@ class WorkerPool:
             log.warning("registry unavailable: %s", e)
             return
         for wid in [w for w in self._workers if w not in endpoints or endpoints[w] != self._workers[w].endpoint]:
-            await self._workers.pop(wid).channel.close()
+            self._retired.append([self._workers.pop(wid), None])
             if self.kv_sync is not None:
                 self.kv_sync.index.drop(wid)
         await asyncio.gather(*(self._connect(e) for e in endpoints.values() if e.id not in self._workers))
         await asyncio.gather(*(self._poll_stats(w) for w in list(self._workers.values())))
+        await self._close_retired()
+
+    async def _close_retired(self) -> None:
+        now, keep = time.monotonic(), []
+        for entry in self._retired:
+            handle, idle_since = entry
+            if handle.inflight:
+                entry[1] = None
+            elif idle_since is None:
+                entry[1] = now
+            if entry[1] is not None and now - entry[1] >= RETIRE_GRACE_S:
+                await handle.channel.close()
+            else:
+                keep.append(entry)
+        self._retired = keep
 
     async def _loop(self) -> None:
         while True:
