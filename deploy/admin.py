@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
 
 def build_admin_app(controller, autoscaler=None):
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse
-
     app = FastAPI(title="pdserve admin")
     manual: dict[str, int] = {}
 

@@ -74,6 +74,7 @@ class Autoscaler:
     router_metrics_url: str
     load_interval_s: float = 5.0
     history: list[dict] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)   # the last failed ticks, for status and tests
     _task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -98,14 +99,15 @@ class Autoscaler:
     async def _run(self) -> None:
         import httpx
 
+        before, t0, next_sla = None, 0.0, 0.0
         async with httpx.AsyncClient(timeout=5.0) as client:
-            before, t0 = parse_samples((await client.get(self.router_metrics_url)).text), time.monotonic()
-            next_sla = t0 + self.planner.config.interval_s
             while True:
-                await asyncio.sleep(self.load_interval_s)
                 try:
-                    workers = await self._scrape_workers(client)
                     now = time.monotonic()
+                    if before is None:
+                        before, t0 = parse_samples((await client.get(self.router_metrics_url)).text), now
+                        next_sla = now + self.planner.config.interval_s
+                    workers = await self._scrape_workers(client)
                     decision = self.planner.decide_load(now, self._load_sample(workers)) if workers else None
                     if now >= next_sla:
                         after = parse_samples((await client.get(self.router_metrics_url)).text)
@@ -114,8 +116,12 @@ class Autoscaler:
                         before, t0, next_sla = after, now, now + self.planner.config.interval_s
                     if decision is not None:
                         await self._apply(decision)
+                except asyncio.CancelledError:
+                    raise
                 except Exception as e:  # noqa: BLE001 - a failed scrape skips one tick, never the loop
+                    self.errors = (self.errors + [f"{type(e).__name__}: {e}"])[-20:]
                     log.warning("autoscaler tick failed: %s", e)
+                await asyncio.sleep(self.load_interval_s)
 
     async def _scrape_workers(self, client) -> dict[str, tuple[str, dict[str, float]]]:
         out = {}
