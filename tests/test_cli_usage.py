@@ -98,8 +98,8 @@ def test_serve_flags_reach_the_worker_and_router_configs(monkeypatch, tmp_path):
 
     captured = {}
 
-    async def fake_serve(spec, router_config, ray_address, n_routers=1):
-        captured.update(spec=spec, router=router_config, n_routers=n_routers)
+    async def fake_serve(spec, router_config, ray_address, n_routers=1, scaling=None):
+        captured.update(spec=spec, router=router_config, n_routers=n_routers, scaling=scaling)
 
     monkeypatch.setattr(serve_cmd, "_serve", fake_serve)
     template = tmp_path / "t.jinja"
