@@ -69,6 +69,10 @@ def command(
                                      rich_help_panel=NET),
     local_prefill_threshold: int = typer.Option(0, min=0, help="Prompts shorter than this many tokens are "
                                                 "prefilled on the decode worker.", rich_help_panel=ROUTER),
+    api_key: Optional[str] = typer.Option(None, envvar="PDSERVE_API_KEY", show_envvar=True, show_default=False,
+                                          help="Clients must send 'Authorization: Bearer KEY' (HTTP) or metadata "
+                                          "'authorization: Bearer KEY' (gRPC); /health and /metrics stay open.",
+                                          rich_help_panel=ROUTER),
     max_waiting: int = typer.Option(256, min=0, help="More waiting requests than this: RESOURCE_EXHAUSTED (429).",
                                     rich_help_panel=ROUTER),
     worker_poll_interval: float = typer.Option(0.2, min=0.01, help="Seconds between the router's polls of the "
@@ -171,7 +175,7 @@ def command(
                           reservation_lease_s=reservation_lease, hold_lease_s=hold_lease,
                           prefill_attempts=prefill_attempts, abort_timeout_s=abort_timeout,
                           worker_poll_interval_s=worker_poll_interval, worker_rpc_timeout_s=worker_rpc_timeout,
-                          routing=routing)
+                          routing=routing, api_key=api_key or None)
     print(f"pdserve: {rt.describe()}", flush=True)
     scaling = scaling_options(autoscale, slo, profile, planner_interval, min_prefill, max_prefill, min_decode,
                               max_decode, admin_port, mode, metrics_port)

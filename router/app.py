@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 
@@ -63,6 +63,7 @@ class RouterConfig:
     worker_poll_interval_s: float = 0.2
     worker_rpc_timeout_s: float = RPC_TIMEOUT_S
     routing: RoutingConfig = RoutingConfig()   # --router-policy, --router-temperature
+    api_key: str | None = field(default=None, repr=False)  # --api-key / $PDSERVE_API_KEY: public HTTP and gRPC need it (router/auth.py)
 
     def flow(self) -> FlowConfig:
         return FlowConfig(self.mode, self.local_prefill_threshold, self.reservation_lease_s, self.hold_lease_s,
@@ -113,7 +114,8 @@ class Router:
         await self.pool.start()
         if self.kv_consumer is not None:
             self.kv_consumer.start()
-        self._grpc, self._health, grpc_port = build_server(self.service, self.cluster_status, c.host, c.port)
+        self._grpc, self._health, grpc_port = build_server(self.service, self.cluster_status, c.host, c.port,
+                                                                   c.api_key)
         await self._grpc.start()
         http = await self._start_http() if c.http_port is not None else None
         metrics = f"{c.host}:{serve_metrics(self.metrics.registry, c.metrics_port, c.host)}" \
@@ -123,7 +125,7 @@ class Router:
         return self.endpoints
 
     async def _start_http(self) -> str:
-        config = uvicorn.Config(build_app(self.service, self.metrics.registry), host=self.config.host, port=self.config.http_port,
+        config = uvicorn.Config(build_app(self.service, self.metrics.registry, self.config.api_key), host=self.config.host, port=self.config.http_port,
                                 log_level="warning", lifespan="off")
         self._uvicorn = uvicorn.Server(config)
         self._http_task = asyncio.create_task(self._uvicorn.serve())

@@ -24,15 +24,23 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from proto.sampling import InvalidRequest
-from router import fanout
+from router import auth, fanout
 from router.errors import ServiceError
 from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, DecodeTokensRequest, Shape,
                                     TokenizeRequest, _SamplingFields, invalid)
 from router.service import Delta, Prepared, RouterService
 
 
-def build_app(service: RouterService, metrics_registry=None) -> FastAPI:
+def build_app(service: RouterService, metrics_registry=None, api_key: str | None = None) -> FastAPI:
+    """api_key: when set, every route but /health and /metrics needs `Authorization: Bearer KEY` (router/auth.py)."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+
+    if api_key is not None:
+        @app.middleware("http")
+        async def _require_api_key(request: Request, call_next):
+            if request.url.path in auth.OPEN_HTTP_PATHS or auth.bearer_ok(request.headers.get("authorization"), api_key):
+                return await call_next(request)
+            return JSONResponse(auth.unauthorized_body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
     @app.exception_handler(ServiceError)
     async def _service_error(_: Request, e: ServiceError) -> JSONResponse:

@@ -1,0 +1,78 @@
+"""API-key authentication of the public APIs (`pdserve serve --api-key KEY` / env PDSERVE_API_KEY).
+
+HTTP: every route but /health and /metrics needs `Authorization: Bearer KEY` (the OpenAI clients
+send it from `api_key=`); otherwise 401 with an OpenAI-style JSON error. gRPC: every
+pdserve.v1.Generation call needs metadata `authorization: Bearer KEY`; otherwise UNAUTHENTICATED.
+Health checking and reflection stay open (load balancers and grpcurl probe them without a key).
+Keys are compared in constant time (hmac.compare_digest) so timing does not reveal a prefix.
+The internal worker API is not covered here.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+
+import grpc
+
+ENV_VAR = "PDSERVE_API_KEY"
+OPEN_HTTP_PATHS = frozenset({"/health", "/metrics"})
+UNAUTHORIZED_MESSAGE = "invalid or missing API key: send the header 'Authorization: Bearer <key>'"
+
+
+def resolve_api_key(flag: str | None) -> str | None:
+    """The flag's key, else $PDSERVE_API_KEY, else None (no authentication). An empty string is None."""
+    key = flag if flag is not None else os.environ.get(ENV_VAR)
+    return key or None
+
+
+def bearer_ok(header: str | None, api_key: str) -> bool:
+    """True when `header` is 'Bearer <api_key>' (scheme case-insensitive, as RFC 6750 allows)."""
+    if not header:
+        return False
+    scheme, _, token = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+def unauthorized_body() -> dict:
+    return {"error": {"message": UNAUTHORIZED_MESSAGE, "type": "invalid_request_error", "param": None,
+                      "code": "invalid_api_key"}}
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls to the services in `protected` (full names, e.g. 'pdserve.v1.Generation')
+    whose metadata lacks `authorization: Bearer KEY`, with UNAUTHENTICATED."""
+
+    def __init__(self, api_key: str, protected: frozenset[str]) -> None:
+        self._key = api_key
+        self._protected = protected
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        service = details.method.lstrip("/").rpartition("/")[0]
+        if service not in self._protected:
+            return await continuation(details)
+        header = next((v for k, v in (details.invocation_metadata or ()) if k == "authorization"), None)
+        if isinstance(header, bytes):
+            header = header.decode("latin-1")
+        if bearer_ok(header, self._key):
+            return await continuation(details)
+        handler = await continuation(details)
+        return _refusing(handler)
+
+
+async def _refuse(_request, context: grpc.aio.ServicerContext):
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHORIZED_MESSAGE.replace("header", "metadata"))
+
+
+def _refusing(handler: grpc.RpcMethodHandler | None):
+    """A handler of the same kind (unary/streaming) as `handler` that aborts UNAUTHENTICATED."""
+    if handler is None:
+        return None
+    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(_refuse, **kw)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(_refuse, **kw)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(_refuse, **kw)
+    return grpc.unary_unary_rpc_method_handler(_refuse, **kw)

@@ -1,0 +1,104 @@
+"""API-key authentication (router/auth.py) against a real router: real HTTP (uvicorn) and gRPC
+servers on 127.0.0.1, the official openai client, grpc.aio. No workers: a request that gets
+through authentication is answered 503 UNAVAILABLE (no live worker), one that does not is 401 /
+UNAUTHENTICATED, so each status shows which side of the check the request landed on."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import httpx
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto.pdserve.v1 import api_pb2, api_pb2_grpc
+from router.auth import bearer_ok, resolve_api_key
+
+KEY = "sk-test-0123456789"
+
+
+@pytest.fixture(scope="module")
+def router():
+    from router.app import Router, RouterConfig
+    from router.registry import CallableRegistry
+
+    async def no_workers():
+        return []
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    r = Router(CallableRegistry(no_workers), RouterConfig(port=0, http_port=0, api_key=KEY))
+    ep = asyncio.run_coroutine_threadsafe(r.start(), loop).result(60)
+    try:
+        yield ep
+    finally:
+        asyncio.run_coroutine_threadsafe(r.stop(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+
+
+def test_bearer_rule_and_env(monkeypatch):
+    assert bearer_ok(f"Bearer {KEY}", KEY) and bearer_ok(f"bearer {KEY}", KEY)
+    assert not bearer_ok(None, KEY) and not bearer_ok(KEY, KEY) and not bearer_ok(f"Basic {KEY}", KEY)
+    assert not bearer_ok(f"Bearer {KEY}x", KEY) and not bearer_ok("Bearer ", KEY)
+    monkeypatch.setenv("PDSERVE_API_KEY", "from-env")
+    assert resolve_api_key(None) == "from-env" and resolve_api_key("flag") == "flag"
+    monkeypatch.setenv("PDSERVE_API_KEY", "")
+    assert resolve_api_key(None) is None
+
+
+def test_http_needs_the_key_but_health_and_metrics_stay_open(router):
+    base = f"http://{router.http}"
+    body = {"model": "m", "prompt": "hi", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(f"{base}/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401, (headers, r.text)
+        assert r.json()["error"]["code"] == "invalid_api_key" and "API key" in r.json()["error"]["message"]
+        assert r.headers["www-authenticate"] == "Bearer"
+        assert httpx.get(f"{base}/v1/models", headers=headers).status_code == 401
+    ok = httpx.post(f"{base}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert ok.status_code == 503, ok.text  # past authentication; no worker yet
+    assert httpx.get(f"{base}/metrics").status_code == 200
+    assert httpx.get(f"{base}/health").status_code == 503  # open (no 401), unhealthy without workers
+
+
+def test_openai_client_wrong_key_is_authentication_error(router):
+    wrong = openai.OpenAI(base_url=f"http://{router.http}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError, match="API key"):
+        wrong.models.list()
+    with pytest.raises(openai.AuthenticationError):
+        wrong.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    right = openai.OpenAI(base_url=f"http://{router.http}/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.APIStatusError) as e:  # through authentication, then no worker
+        right.models.list()
+    assert e.value.status_code == 503
+
+
+def test_grpc_needs_the_key_but_health_stays_open(router):
+    async def run():
+        async with grpc.aio.insecure_channel(router.grpc) as ch:
+            stub = api_pb2_grpc.GenerationStub(ch)
+            req = api_pb2.GenerateRequest(model="m", prompt="hi", sampling=api_pb2.SamplingOptions(max_tokens=1))
+            codes = []
+            for md in ((), (("authorization", "Bearer wrong"),), (("authorization", f"Bearer {KEY}"),)):
+                for call in (lambda: stub.ListModels(api_pb2.ListModelsRequest(), metadata=md, timeout=10),
+                             lambda: _drain(stub.Generate(req, metadata=md, timeout=10))):
+                    try:
+                        await call()
+                        codes.append(grpc.StatusCode.OK)
+                    except grpc.aio.AioRpcError as e:
+                        codes.append(e.code())
+            health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            return codes, health
+
+    codes, health = asyncio.run(run())
+    assert codes[:4] == [grpc.StatusCode.UNAUTHENTICATED] * 4, codes
+    assert codes[4:] == [grpc.StatusCode.UNAVAILABLE] * 2, codes  # past authentication; no worker
+    assert health.status in (health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
