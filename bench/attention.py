@@ -156,7 +156,8 @@ def _timed(fn, total: list[float]):
 
 
 def _profile(step: Callable[[], None], steps: int = 3) -> list[dict]:
-    """Top operators of ``steps`` steps by self CPU time, per step."""
+    """Top operators of ``steps`` steps by self time, per step (the profiler's clock is wall
+    time: on a busy machine read the shares, not the milliseconds)."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -165,7 +166,7 @@ def _profile(step: Callable[[], None], steps: int = 3) -> list[dict]:
             step()
     rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
     total = sum(e.self_cpu_time_total for e in prof.key_averages())
-    return [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1000 / steps,
+    return [{"op": e.key, "self_wall_ms_per_step": e.self_cpu_time_total / 1000 / steps,
              "share": e.self_cpu_time_total / total} for e in rows]
 
 
@@ -212,9 +213,9 @@ def _print_table(result: dict) -> None:
                   f"{r['cpu_metadata_ms_per_step']:6.2f} {r['step_speedup']:7.2f}x")
         for r in result["step"]:
             for name, rows in r.get("profile", {}).items():
-                print(f"\nprofile, {r['dtype']} {name}: top ops by self CPU time (ms per step, share)")
+                print(f"\nprofile, {r['dtype']} {name}: top ops by self time (profiler wall ms per step, share)")
                 for row in rows:
-                    print(f"  {row['op'][:40]:40} {row['self_ms_per_step']:7.2f} {100 * row['share']:5.1f}%")
+                    print(f"  {row['op'][:40]:40} {row['self_wall_ms_per_step']:7.2f} {100 * row['share']:5.1f}%")
 
 
 if __name__ == "__main__":
