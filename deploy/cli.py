@@ -18,6 +18,7 @@ from bench import engine as bench_engine
 from bench import gpu_check as bench_gpu_check
 from bench import kv_transfer as bench_kv_transfer
 from bench import offline as bench_offline
+from bench import quant as bench_quant
 from bench import peers as bench_peers
 from bench import profile as bench_profile
 from bench import serve as bench_serve
@@ -44,6 +45,7 @@ app.command("profile")(bench_profile.command)
 bench_app.command("engine")(bench_engine.command)
 bench_app.command("attention")(bench_attention.command)
 bench_app.command("offline")(bench_offline.command)
+bench_app.command("quant")(bench_quant.command)
 bench_app.command("kv-transfer")(bench_kv_transfer.command)
 bench_app.command("serve")(bench_serve.command)
 bench_app.command("compare")(bench_compare.command)

@@ -53,6 +53,8 @@ class ClusterSpec:
     threads_per_worker: int = 1
     cpu_cores: tuple[tuple[int, ...], ...] | None = None
     dtype: str = "float32"
+    quantization: str = "none"          # every worker alike (engine/quantization)
+    kv_cache_dtype: str = "auto"        # every worker alike: the KV format is in the compat key
     kv_cache_memory_bytes: int | None = None
     block_size: int = 16
     max_model_len: int | None = None
@@ -83,6 +85,7 @@ class ClusterSpec:
                             enable_prefix_caching=self.enable_prefix_caching,
                             served_model_name=self.served_model_name, transfer_timeout_s=self.transfer_timeout_s,
                             kv_cache_memory_bytes=self.kv_cache_memory_bytes, dtype=self.dtype,
+                            quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
                             speculative=self.speculative)
         configs = []
         for role, n in roles:

@@ -16,6 +16,7 @@ import typer
 
 from deploy import router_cmd, runtime_options
 from engine.errors import UserError
+from engine.quantization import check_kv_cache_dtype, check_quantization
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -101,6 +102,8 @@ def command(
     routers: int = typer.Option(1, min=1, help="Router replicas (gRPC ports --port, --port+1, ...; HTTP likewise; "
                                 "metrics on the first).", rich_help_panel=ROUTER),
     dtype: str = runtime_options.dtype_option(),
+    quantization: str = typer.Option("none", help="Linear method of every worker: none, int8 or fp8."),
+    kv_cache_dtype: str = typer.Option("auto", help="KV-cache dtype of every worker: auto or fp8_e4m3."),
     threads_per_worker: Optional[int] = runtime_options.threads_option(),
     kv_cache_memory: Optional[str] = runtime_options.kv_memory_option(),
     num_blocks: Optional[int] = runtime_options.num_blocks_option(),
@@ -135,6 +138,8 @@ def command(
     from router.app import RouterConfig
 
     model = _model(model_arg, model)
+    check_quantization(quantization)
+    check_kv_cache_dtype(kv_cache_dtype)
     registry_url = router_cmd.check_registry(registry)
     routing = router_cmd.routing_config(router_policy, router_temperature)
     speculative = from_flags(speculative_method, num_speculative_tokens, speculative_model, spec_ngram_max,
@@ -157,6 +162,7 @@ def command(
         block_size=block_size, max_num_seqs=max_num_seqs, bind_cores=not ray_address)
     spec = ClusterSpec(model=model, num_prefill=num_prefill, num_decode=decode, mode=mode,
                        dtype=rt.dtype, threads_per_worker=rt.threads, cpu_cores=rt.cores,
+                       quantization=quantization, kv_cache_dtype=kv_cache_dtype,
                        kv_cache_memory_bytes=rt.kv_cache_memory_bytes, max_num_batched_tokens=rt.max_num_batched_tokens,
                        kv_transport=kv_transport, num_blocks=rt.num_blocks, max_num_seqs=max_num_seqs, host=host,
                        metrics_port=None if metrics_port < 0 else metrics_port,

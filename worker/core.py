@@ -56,6 +56,8 @@ class WorkerConfig:
     max_waiting: int | None = None
     kv_cache_memory_bytes: int | None = None
     dtype: str = "float32"
+    quantization: str = "none"     # --quantization: the decoder's linear method
+    kv_cache_dtype: str = "auto"   # --kv-cache-dtype: auto | fp8_e4m3
     num_threads: int = 1
     cpu_cores: tuple[int, ...] | None = None
     device: str = "cpu"            # "cuda" on GPU nodes (the actor declares num_gpus=1)

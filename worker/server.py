@@ -125,6 +125,7 @@ def load_engine(config: WorkerConfig):
                           memory_bytes=config.kv_cache_memory_bytes,
                           enable_prefix_caching=config.enable_prefix_caching),
         dtype=config.dtype, num_threads=config.num_threads, cpu_cores=config.cpu_cores, device=config.device,
+        quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
         speculative=config.speculative if config.role != "prefill" else None))
     return engine, model_dir, _runner(engine)
 
