@@ -17,10 +17,11 @@ from engine.errors import UserError
 
 POLICY_HELP = "Worker choice: kv (prefix overlap against load) | load | round-robin."
 TEMPERATURE_HELP = "Softmax temperature of the kv cost (0: lowest cost, ties at random)."
+WEIGHT_HELP = "w of the kv cost: one uncached prefill block counts as w decode blocks."
 REGISTRY_HELP = "Worker registry, redis://HOST:PORT/DB (default: in-process, no Redis)."
 
 
-def routing_config(policy: str, temperature: float, overlap_weight: float = 1.0):
+def routing_config(policy: str, temperature: float, overlap_weight: float = 2.0):
     """RoutingConfig from the CLI options; raises UserError naming the option."""
     from router.routing import RoutingConfig
 
@@ -51,6 +52,7 @@ def command(
     metrics_port: int = typer.Option(-1, help="Prometheus port (-1: off)."),
     router_policy: str = typer.Option("kv", help=POLICY_HELP),
     router_temperature: float = typer.Option(0.0, help=TEMPERATURE_HELP),
+    kv_overlap_score_weight: float = typer.Option(2.0, help=WEIGHT_HELP),
     local_prefill_threshold: int = typer.Option(0, help="Prompts whose uncached part is shorter than this are "
                                                         "prefilled on the decode worker."),
     max_waiting: int = typer.Option(256, help="More waiting requests than this: RESOURCE_EXHAUSTED."),
@@ -69,7 +71,8 @@ def command(
     config = RouterConfig(host=host, port=port, http_port=None if http_port < 0 else http_port,
                           metrics_port=None if metrics_port < 0 else metrics_port, mode=mode,
                           local_prefill_threshold=local_prefill_threshold, max_waiting=max_waiting,
-                          drain_grace_s=drain_seconds, routing=routing_config(router_policy, router_temperature))
+                          drain_grace_s=drain_seconds, routing=routing_config(router_policy, router_temperature,
+                                                        kv_overlap_score_weight))
     asyncio.run(_run(url, config))
 
 

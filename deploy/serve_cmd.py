@@ -99,6 +99,7 @@ def command(
     registry: str = typer.Option("", help=router_cmd.REGISTRY_HELP, rich_help_panel=CLUSTER),
     router_policy: str = typer.Option("kv", help=router_cmd.POLICY_HELP, rich_help_panel=ROUTER),
     router_temperature: float = typer.Option(0.0, help=router_cmd.TEMPERATURE_HELP, rich_help_panel=ROUTER),
+    kv_overlap_score_weight: float = typer.Option(2.0, help=router_cmd.WEIGHT_HELP, rich_help_panel=ROUTER),
     routers: int = typer.Option(1, min=1, help="Router replicas (gRPC ports --port, --port+1, ...; HTTP likewise; "
                                 "metrics on the first).", rich_help_panel=ROUTER),
     dtype: str = runtime_options.dtype_option(),
@@ -141,7 +142,7 @@ def command(
     check_quantization(quantization)
     check_kv_cache_dtype(kv_cache_dtype)
     registry_url = router_cmd.check_registry(registry)
-    routing = router_cmd.routing_config(router_policy, router_temperature)
+    routing = router_cmd.routing_config(router_policy, router_temperature, kv_overlap_score_weight)
     speculative = from_flags(speculative_method, num_speculative_tokens, speculative_model, spec_ngram_max,
                              spec_ngram_min)
     if mode not in ("disagg", "agg"):

@@ -26,6 +26,7 @@ class WorkerRegistration:
     model: str = ""
     kv_format: str = ""
     capacity_blocks: int = 0
+    ttl_s: float = DEFAULT_TTL_S  # the key's TTL: how long a re-registration can take after Redis restarts
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

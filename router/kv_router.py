@@ -5,7 +5,7 @@ with a temperature) with the queue added:
 
     cost(worker) = w * (uncached prefill blocks: this request's + those booked and not yet prefilled)
                  + in-flight decode blocks (max of the worker's last report and the router's bookings)
-                 + queue (requests waiting on the worker)
+                 + queue (requests the router has there, plus others' waiting ones it reports)
 
 Units: blocks (of the worker's block size), requests for the queue. The router books a request on
 the chosen worker at once (``Booking``), before the worker reports it, so a burst of requests that
@@ -31,8 +31,9 @@ class Candidate:
 
     prompt_blocks: blocks of this request's prompt; overlap_blocks: how many of them the worker has
     cached (router prefix index); booked_prefill_blocks: uncached blocks of requests the router sent
-    that have not had their first token; decode_blocks: KV blocks in use on the worker (its report,
-    or the router's bookings if higher); queue: requests waiting there; free_blocks: unused KV blocks.
+    that have not had their first token; decode_blocks: KV blocks the worker's requests hold (the
+    router's bookings plus what its report shows beyond them); queue: requests there (the router's
+    plus others' waiting); free_blocks: unused KV blocks.
     """
 
     id: str

@@ -217,12 +217,16 @@ class Orchestrator:
             await w.stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=self.config.abort_timeout_s)
         except grpc.RpcError as e:  # a dead worker frees everything anyway
             log.info("abort of %s on %s failed: %s", request_id, w.id, e.code())
+        except Exception as e:  # noqa: BLE001  (grpc's UsageError: the worker left the pool, its channel closed)
+            log.info("abort of %s on %s not sent: %s", request_id, w.id, e)
 
     async def _release(self, w: WorkerHandle, request_id: str) -> None:
         try:
             await w.stub.Release(worker_pb2.ReleaseRequest(request_id=request_id), timeout=self.config.abort_timeout_s)
         except grpc.RpcError as e:  # the hold lease frees it
             log.info("release of %s on %s failed: %s", request_id, w.id, e.code())
+        except Exception as e:  # noqa: BLE001  (the worker left the pool, its channel closed)
+            log.info("release of %s on %s not sent: %s", request_id, w.id, e)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -43,6 +43,7 @@ class RedisRegistry:
         self.last_contact = 0.0  # time.time() of the last successful read
         self.reloads = 0
         self._view: dict[str, WorkerRegistration] = {}
+        self._connected_since = 0.0  # time.monotonic() of the watcher's last (re)connect
         self._task: asyncio.Task | None = None
         self._loaded = asyncio.Event()
 
@@ -76,6 +77,12 @@ class RedisRegistry:
             if v is not None:
                 r = WorkerRegistration.from_json(v)
                 view[r.id] = r
+        # just after a (re)connect, a Redis that restarted empty has not yet heard the heartbeats: keep
+        # a missing worker for its TTL from the reconnect rather than drop it (and its requests in flight)
+        settling = time.monotonic() - self._connected_since
+        for wid, r in self._view.items():
+            if wid not in view and settling < r.ttl_s + 0.5:
+                view[wid] = r
         self._view = view
         self.reloads += 1
         self.last_contact = time.time()
@@ -106,11 +113,13 @@ class RedisRegistry:
                 await self._enable_notifications()
                 pubsub = self.client.pubsub()
                 await pubsub.psubscribe(f"__keyspace@{self.db}__:{KEY_PREFIX}*")
+                if not self.connected:
+                    self._connected_since = time.monotonic()
                 await self.reload()
                 if not self.connected:
                     log.info("registry %s: connected, %d workers", self.url, len(self._view))
                 self.connected = True
-                next_resync = time.monotonic() + self.resync_s
+                next_resync = time.monotonic() + min(self.resync_s, 1.0)  # once more when the settling ends
                 while True:
                     msg = await pubsub.get_message(ignore_subscribe_messages=True,
                                                    timeout=max(next_resync - time.monotonic(), 0.01))

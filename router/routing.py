@@ -7,8 +7,9 @@
     policy "round-robin" the next live worker of the role, in id order (the comparison baseline).
 
 `choose` books the request on the chosen worker at once (``Booking``): its uncached prefill
-blocks until the first token, its decode blocks (prompt + max_tokens) and one in-flight request
-until it ends, so a burst sees each dispatch before any worker reports it. A worker's reported
+blocks until the first token, its decode blocks (its whole context, prompt + max_tokens: each
+decode step reads all of them, shared prefix or not) and one request in the queue term until it
+ends, so a burst sees each dispatch before any worker reports it. A worker's reported
 load counts only beyond the bookings this router had when the report was taken (so a report
 from while our last request ran does not outlive it). Several routers do not share bookings:
 each sees the others' load through the workers' Stats, polled every ``WorkerPool`` interval
@@ -37,11 +38,13 @@ POLICIES = ("kv", "load", "round-robin")
 @dataclass(frozen=True)
 class RoutingConfig:
     """policy: one of POLICIES; temperature: softmax temperature of the kv cost (0 = argmin);
-    overlap_weight: w of the cost; seed: the choice's random generator (None = from the OS)."""
+    overlap_weight: w of the cost (--kv-overlap-score-weight; 2: a prefill block costs two decode
+    blocks, so a worker holding the prefix keeps it until about two of its requests run there,
+    measured on the prefix benchmark); seed: the choice's random generator (None = from the OS)."""
 
     policy: str = "kv"
     temperature: float = 0.0
-    overlap_weight: float = 1.0
+    overlap_weight: float = 2.0
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -49,6 +52,8 @@ class RoutingConfig:
             raise ValueError(f"--router-policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.temperature < 0:
             raise ValueError(f"--router-temperature must be >= 0, got {self.temperature}")
+        if self.overlap_weight < 0:
+            raise ValueError(f"--kv-overlap-score-weight must be >= 0, got {self.overlap_weight}")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -92,7 +97,8 @@ class Selector:
         self.config = config
         self.rng = random.Random(config.seed)
         self._rr: dict[str, int] = {}
-        self.decisions: dict[str, int] = {}  # worker id -> requests routed there (tests, metrics)
+        self.decisions: dict[str, int] = {}  # worker id -> requests routed there (tests, benchmarks)
+        self.prompt_tokens: dict[str, int] = {}  # worker id -> prompt tokens routed there
 
     def choose(self, role: str, prompt_ids: list[int], max_tokens: int, *, by_headroom: bool = False,
                exclude: frozenset[str] = frozenset()) -> Booking:
@@ -105,8 +111,11 @@ class Selector:
         w, c = self.pool.get(wid), cands[wid]
         bs = w.info.block_size or 16
         self.decisions[wid] = self.decisions.get(wid, 0) + 1
+        self.prompt_tokens[wid] = self.prompt_tokens.get(wid, 0) + len(prompt_ids)
         log.debug("route %s -> %s (policy %s, overlap %d/%d blocks)", role, wid, self.config.policy,
                   c.overlap_blocks, c.prompt_blocks)
+        # decode work: every decode step reads every block of the request's context, cached prefix or
+        # not, so its decode charge is its whole context (prompt + max_tokens), not the blocks it adds
         return Booking(w, c.uncached_blocks, _cdiv(len(prompt_ids) + max_tokens, bs), c.overlap_blocks * bs)
 
     def _pick(self, role: str, workers: list[WorkerHandle], cands: list[Candidate], by_headroom: bool) -> str:
@@ -134,5 +143,6 @@ class Selector:
         others_queue = max(s.waiting - w.inflight_at_poll, 0)
         decode = w.booked_decode_blocks + others_blocks
         return Candidate(w.id, prompt_blocks=_cdiv(len(prompt_ids), bs), overlap_blocks=overlap,
-                         booked_prefill_blocks=w.booked_prefill_blocks, decode_blocks=decode, queue=others_queue,
+                         booked_prefill_blocks=w.booked_prefill_blocks, decode_blocks=decode,
+                         queue=w.inflight + others_queue,
                          free_blocks=s.kv_blocks_total - decode, alive=w.alive)

@@ -65,6 +65,7 @@ def test_unknown_command_exit_2(argv, capsys):
     (["serve", "--router-temperature", "-1"], "--router-temperature"),
     (["serve", "--registry", "http://h:1/0"], "--registry"),
     (["router", "--registry", "redis://h:1/x"], "--registry"),
+    (["serve", "--kv-overlap-score-weight", "-1"], "--kv-overlap-score-weight"),
 ])
 def test_bad_serve_values_exit_2_before_anything_starts(argv, fragment, capsys):
     code, err = _run(argv, capsys)

@@ -160,19 +160,23 @@ def test_cached_worker_wins_until_its_load_outweighs_the_hit():
 
 
 def test_burst_spreads_when_bookings_are_counted():
-    """16 requests sharing a 32-block prefix cached on one worker: booking each one's decode blocks
-    makes the cached worker dearer with every dispatch, so the burst does not collapse onto it."""
+    """16 requests sharing a 12-block prefix cached on one worker, all in flight together: booking
+    each one's decode blocks (its whole context) and its place in the queue makes the cached worker
+    dearer with every dispatch, so the burst does not collapse onto it."""
     rng = random.Random(1)
     booked = {"hot": 0, "cold": 0}
-    overlap = {"hot": 31, "cold": 0}
+    queue = {"hot": 0, "cold": 0}
+    prefill = {"hot": 0, "cold": 0}
     chosen = []
     for _ in range(16):
-        cands = [Candidate(w, prompt_blocks=33, overlap_blocks=overlap[w], decode_blocks=booked[w]) for w in booked]
-        w = choose_kv(cands, 0.0, rng)
+        cands = [Candidate(w, prompt_blocks=13, overlap_blocks=12 if w == "hot" else 0, decode_blocks=booked[w],
+                           queue=queue[w], booked_prefill_blocks=prefill[w]) for w in booked]
+        w = choose_kv(cands, 0.0, rng, overlap_weight=2.0)
         chosen.append(w)
-        booked[w] += 33 + 2
-        overlap[w] = 31  # once prefilled there, the prefix is cached there too
-    assert chosen[0] == "hot" and 4 <= chosen.count("cold") <= 12
+        booked[w] += 13 + 1  # prompt + one output block
+        queue[w] += 1
+        prefill[w] += 1 if w == "hot" else 13
+    assert chosen[0] == "hot" and 4 <= chosen.count("cold") <= 8, chosen
 
 
 def test_ties_are_broken_at_random_but_seeded():

@@ -26,8 +26,10 @@ class RedisRegistration:
     Redis errors are logged and retried; the worker keeps serving without Redis."""
 
     def __init__(self, url: str, reg: WorkerRegistration, ttl_s: float = DEFAULT_TTL_S) -> None:
+        from dataclasses import replace
+
         self.url = url
-        self.reg = reg
+        self.reg = replace(reg, ttl_s=ttl_s)
         self.ttl_s = ttl_s
         self.client = _client(url)
         self.paused = False  # fault injection (tests): stop heartbeating, as a hung worker would
