@@ -1,6 +1,7 @@
-"""Scaling a live cluster (real Ray, real model, real gRPC): workers started and drained under
-load with zero failed requests, and the planner growing then shrinking both pools over a load
-ramp from the router's scraped metrics. Every test ends with the workers idle (no leaked block)."""
+"""Scaling a live cluster (real Ray, real model, real gRPC): a worker started and drained under
+load with zero failed requests; the admin endpoint behind `pdserve scale`. Every test ends with
+the workers idle (no leaked block). (The planner's decisions are tested without a cluster in
+tests/test_planner.py; a live load ramp under --autoscale is not in the suite yet.)"""
 
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ def _replicas(serving) -> dict:
     return serving.controller.replicas()
 
 
+
 def _wait(cond, timeout_s: float, what) -> None:
     """what: a string, or a function giving one (evaluated at the time-out)."""
     end = time.monotonic() + timeout_s
@@ -94,3 +96,24 @@ def test_admin_endpoint_reports_replicas_and_refuses_bad_scale_requests(serving)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
     assert client.post("/v1/cluster/scale", json={"decode": 1}).json()["actions"] == {
         "decode": {"started": [], "draining": []}}
+def test_manual_scale_up_and_down_under_load_fails_no_request(serving):
+    load = Load(serving.grpc_address, clients=3)
+    try:
+        _wait(lambda: load.ok >= 3, 120, "requests before scaling")
+        out = serving.call(serving.controller.scale("decode", 2))
+        assert out == {"started": ["decode-1"], "draining": []}
+        assert _replicas(serving)["decode"]["starting"] == 1
+        _wait(lambda: _replicas(serving)["decode"] == {"ready": 2, "starting": 0, "draining": 0}, 240, "decode-1 up")
+        _wait(lambda: len(serving.router.pool.workers()) == 3, 30, "the router to see decode-1")
+        before = load.ok
+        _wait(lambda: load.ok >= before + 4, 120, "requests on two decode workers")
+        assert serving.call(serving.controller.scale("decode", 1)) == {"started": [], "draining": ["decode-1"]}
+        _wait(lambda: "decode-1" in serving.controller.drained, 180, "decode-1 drained")
+        before = load.ok
+        _wait(lambda: load.ok >= before + 3, 120, "requests after the drain")
+    finally:
+        load.stop()
+    assert load.failed == [], load.failed[:5]
+    assert _replicas(serving) == {"decode": {"ready": 1, "starting": 0, "draining": 0},
+                                  "prefill": {"ready": 1, "starting": 0, "draining": 0}}
+    _assert_idle(serving)
