@@ -27,14 +27,15 @@ Request lifecycle (states in engine/request.py, legal moves in ``request.TRANSIT
 6. Finishing frees the blocks, except for a ``hold_kv`` request (prefill worker): its blocks stay
    held until ``release_kv``. ``abort`` frees everything at any state (FINISHED_ABORTED).
 
-With ``batching="static"`` steps 2-3 are replaced by engine/static_batching.py.
+With ``batching="static"`` (or ``policy=StaticBatching()``) steps 2-3 are replaced by that policy
+(engine/static_batching.py), which admits through ``admit_reserved`` and never edits the queues itself.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import replace
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from engine.block_manager import NO_HIT, BlockManager, cdiv
 from engine.config import SchedulerConfig
@@ -42,6 +43,9 @@ from engine.plan import SchedulePlan, ScheduledChunk, StepResult
 from engine.request import Request, RequestState
 from proto.sampling import InvalidRequest
 from proto.stop import token_stop_reason
+
+if TYPE_CHECKING:
+    from engine.static_batching import StaticBatching
 
 _FINISHED = {"stop": RequestState.FINISHED_STOPPED, "length": RequestState.FINISHED_LENGTH}
 
@@ -87,7 +91,9 @@ class Scheduler:
     """Owns the request queues; the block manager owns the blocks. Pure Python."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, *, max_model_len: int,
-                 eos_token_ids: Sequence[int] = ()) -> None:
+                 eos_token_ids: Sequence[int] = (), policy: "StaticBatching | None" = None) -> None:
+        """policy: a batching policy replacing continuous batching (None: StaticBatching when
+        config.batching is "static", else continuous batching)."""
         self.config = config
         self.bm = block_manager
         self.max_model_len = min(config.max_model_len or max_model_len, max_model_len)
@@ -98,10 +104,12 @@ class Scheduler:
         self.remote: dict[str, Request] = {}
         self.held: dict[str, Request] = {}
         self.num_preemptions = 0
-        self._static = None
-        if config.batching == "static":
-            from engine.static_batching import StaticBatcher
-            self._static = StaticBatcher(self)
+        if policy is None and config.batching == "static":
+            from engine.static_batching import StaticBatching
+            policy = StaticBatching()
+        self._static = policy
+        if policy is not None:
+            policy.bind(self)
 
     # ---- admission ---------------------------------------------------------------------------
     def validate(self, prompt_len: int, max_tokens: int) -> None:
@@ -154,6 +162,21 @@ class Scheduler:
         self.running.append(req)
         self._append_token(req, first_token_id)
         return req
+
+    # ---- what a batching policy may do (engine/static_batching.py) ----------------------------------
+    def waiting_requests(self, limit: int) -> list[Request]:
+        """The first ``limit`` waiting requests, in queue order (a copy: the queue stays the scheduler's)."""
+        return list(self.waiting)[:limit]
+
+    def admit_reserved(self, req: Request, num_tokens: int) -> None:
+        """Admit a waiting request with KV reserved for ``num_tokens`` tokens (WAITING -> RUNNING).
+        Raises CapacityError, with nothing changed, if the blocks are not free."""
+        if self.bm.allocate(req.request_id, num_tokens) is None:
+            raise CapacityError(f"{req.request_id}: {num_tokens} tokens of KV do not fit")
+        self.waiting.remove(req)
+        req.block_ids = self.bm.block_table(req.request_id)
+        req.move_to(RequestState.RUNNING)
+        self.running.append(req)
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self, drafts: Mapping[str, tuple[int, ...]] | None = None) -> SchedulePlan:

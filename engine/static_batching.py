@@ -25,21 +25,31 @@ from typing import TYPE_CHECKING
 
 from engine.block_manager import cdiv
 from engine.plan import SchedulePlan, ScheduledChunk
-from engine.request import Request, RequestState
+from engine.request import Request
 
 if TYPE_CHECKING:
     from engine.scheduler import Scheduler
 
 
-class StaticBatcher:
-    def __init__(self, scheduler: "Scheduler") -> None:
-        self.s = scheduler
-        self.pad = scheduler.config.static_padding
+class StaticBatching:
+    """A batching policy the Scheduler takes (``Scheduler(..., policy=StaticBatching())``, or
+    ``SchedulerConfig.batching="static"``): it replaces steps 2-3 of the scheduler's lifecycle.
+    It never edits the scheduler's queues itself: it reads the waiting queue and admits a request
+    with ``Scheduler.admit_reserved``, frees one with ``Scheduler.release``."""
+
+    def __init__(self) -> None:
+        self.s: "Scheduler | None" = None
+        self.pad = True
         self.members: list[Request] = []
         self.padding_pos: dict[str, int] = {}  # finished member -> next padding position
         self.prompt_padding: dict[str, int] = {}  # member -> prompt padding tokens not yet computed
         self._longest_prompt = 0
         self._prefill_phase = False  # the last plan prefilled (its padding chunks are prompt padding)
+
+    def bind(self, scheduler: "Scheduler") -> None:
+        """Called once by the scheduler that takes this policy."""
+        self.s = scheduler
+        self.pad = scheduler.config.static_padding
 
     @property
     def active(self) -> bool:
@@ -96,18 +106,14 @@ class StaticBatcher:
                               tuple(self.s.bm.block_table(req.request_id)), 0, False, True)
 
     def _admit_batch(self) -> None:
-        batch = list(self.s.waiting)[: self.s.config.max_num_seqs]
+        batch = self.s.waiting_requests(self.s.config.max_num_seqs)
         while batch and not self._fits(batch):
             batch.pop()
         if not batch:
             return
         self._longest_prompt = max(r.num_prompt_tokens for r in batch)
         for req, length in zip(batch, self._reserved_lens(batch)):
-            assert self.s.bm.allocate(req.request_id, length) is not None
-            self.s.waiting.remove(req)
-            req.block_ids = self.s.bm.block_table(req.request_id)
-            req.move_to(RequestState.RUNNING)
-            self.s.running.append(req)
+            self.s.admit_reserved(req, length)
             if self.pad:
                 self.prompt_padding[req.request_id] = self._longest_prompt - req.num_prompt_tokens
         self.members = batch

@@ -240,3 +240,28 @@ def test_static_padding_never_runs_past_max_model_len(padded):
         plan, _ = step(s)
         ends += [c.start_pos + c.num_tokens for c in plan.chunks]
     assert max(ends) == 10 and s.bm.num_used_blocks == 0
+
+
+def test_static_batching_is_a_policy_the_scheduler_takes_and_it_never_edits_the_queues():
+    import ast
+    import inspect
+
+    from engine import static_batching
+    from engine.static_batching import StaticBatching
+
+    policy = StaticBatching()
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), BlockManager(64, 4, watermark=0.0),
+                  max_model_len=1024, eos_token_ids=(EOS,), policy=policy)
+    s.add(req("a", 3, max_tokens=1))
+    s.add(req("b", 3, max_tokens=2, base=300))
+    s.add(req("c", 3, max_tokens=1, base=500))
+    plan, _ = step(s)
+    assert policy.members and {c.request_id for c in plan.chunks} == {"a", "b"}  # the policy planned it
+    while s.has_work():
+        step(s)
+    assert s.bm.num_used_blocks == 0 and not s.requests
+    # the policy reaches the queues only through the scheduler's methods, never by mutating them
+    tree = ast.parse(inspect.getsource(static_batching))
+    touched = {node.value.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+               and isinstance(node.value, ast.Attribute) and node.value.attr in ("waiting", "running", "remote")}
+    assert not touched, f"static batching edits the scheduler's {touched}"
