@@ -22,6 +22,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from proto.sampling import InvalidRequest
 from router import auth, fanout
@@ -49,6 +50,12 @@ def build_app(service: RouterService, metrics_registry=None, api_key: str | None
     @app.exception_handler(InvalidRequest)
     async def _invalid_request(_: Request, e: InvalidRequest) -> JSONResponse:
         return _error(ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)), param=e.field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own 400 for a body that is not JSON or not UTF-8, 404, 405: OpenAI-style too
+        return JSONResponse({"error": {"message": str(e.detail), "type": "invalid_request_error", "param": None,
+                                       "code": e.status_code}}, status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -214,7 +221,14 @@ def _error_body(e: ServiceError, param: str | None = None) -> dict:
         else "server_error")
     if param is None and e.code == grpc.StatusCode.INVALID_ARGUMENT:
         param = e.message.split(":", 1)[0]
-    return {"error": {"message": e.message, "type": kind, "param": param, "code": e.code.name}}
+    return {"error": {"message": _printable(e.message), "type": kind, "param": _printable(param),
+                      "code": e.code.name}}
+
+
+def _printable(text: str | None) -> str | None:
+    """`text` without lone surrogates (a field name or value echoed from a hostile body), which
+    JSON encoding to UTF-8 cannot write: they become \\udXXX escapes instead of a 500."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _error(e: ServiceError, param: str | None = None) -> JSONResponse:
