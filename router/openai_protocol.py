@@ -10,7 +10,7 @@ it too: never a 200 that ignored something. vLLM extensions accepted: ``top_k``,
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,8 +26,15 @@ def invalid(field: str, message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {message}")
 
 
+# Integers as the wire carries them (proto/pdserve/v1/api.proto: int32, seed uint64): a larger
+# value is a 400 naming the field, not a protobuf error (500) after validation.
+Int32 = Annotated[int, Field(ge=-2**31, le=2**31 - 1)]
+Seed = Annotated[int, Field(ge=0, le=2**64 - 1)]
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # allow_inf_nan=False: NaN and ±Infinity (which Python's json accepts) are a 400, never a sampling value
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -37,14 +44,14 @@ class StreamOptions(_Strict):
 
 class _SamplingFields(_Strict):
     model: str = ""
-    max_tokens: int | None = None
+    max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(default=None, description="vLLM: token ids that end the output")
-    top_k: int | None = Field(default=None, description="vLLM: keep the k most likely tokens (0 = all)")
-    min_tokens: int = Field(default=0, description="vLLM: EOS and stop token ids cannot end the output before")
+    stop_token_ids: list[Int32] | None = Field(default=None, description="vLLM: token ids that end the output")
+    top_k: Int32 | None = Field(default=None, description="vLLM: keep the k most likely tokens (0 = all)")
+    min_tokens: Int32 = Field(default=0, description="vLLM: EOS and stop token ids cannot end the output before")
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = Field(default=1.0, description="vLLM: > 1 discourages tokens already seen")
@@ -52,9 +59,9 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: Int32 = 1
     user: str | None = None
-    timeout: float | None = Field(default=None, description="pdserve: deadline in seconds")
+    timeout: float | None = Field(default=None, gt=0, description="pdserve: deadline in seconds (> 0)")
 
     def sampling(self, max_tokens: int | None, defaults: dict, logprobs: int | None = None) -> SamplingParams:
         """Validated params; raises InvalidRequest naming the field (answered as a 400).
@@ -83,10 +90,10 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int]
-    logprobs: int | None = None   # top-n per token, 0..20
+    prompt: str | list[str] | list[Int32]
+    logprobs: Int32 | None = None   # top-n per token, 0..20
     echo: bool = False
-    best_of: int | None = None
+    best_of: Int32 | None = None
     suffix: str | None = None
 
     def engine_logprobs(self) -> int | None:
@@ -111,9 +118,9 @@ class ChatMessageIn(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessageIn]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int32 | None = None
     add_generation_prompt: bool = True
 
     def engine_logprobs(self) -> int | None:
