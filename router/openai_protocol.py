@@ -13,7 +13,7 @@ import time
 from typing import Annotated, Any, Callable
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from proto.chat import ChatMessage
 from proto.pdserve.v1 import api_pb2
@@ -35,6 +35,35 @@ Seed = Annotated[int, Field(ge=0, le=2**64 - 1)]
 class _Strict(BaseModel):
     # allow_inf_nan=False: NaN and ±Infinity (which Python's json accepts) are a 400, never a sampling value
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer, protobuf string or
+        # UTF-8 response can carry: refuse them here with the field's path (a 400)
+        where = _surrogate_path(data, ())
+        if where is not None:
+            raise ValueError(f"{'.'.join(where) or 'body'}: invalid Unicode (a lone surrogate)")
+        return data
+
+
+def _surrogate_path(value: Any, path: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The path of the first string (key or value) in a decoded JSON value holding a lone surrogate."""
+    if isinstance(value, str):
+        return path if any("\ud800" <= c <= "\udfff" for c in value) else None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(k, str) and _surrogate_path(k, ()) is not None:
+                return path + ("<key>",)
+            found = _surrogate_path(v, path + (str(k),))
+            if found is not None:
+                return found
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _surrogate_path(v, path + (str(i),))
+            if found is not None:
+                return found
+    return None
 
 
 class StreamOptions(_Strict):
