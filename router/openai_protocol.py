@@ -90,7 +90,8 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     n: Int32 = 1
     user: str | None = None
-    timeout: float | None = Field(default=None, gt=0, description="pdserve: deadline in seconds (> 0)")
+    timeout: float | None = Field(default=None, gt=0, le=86400,
+                                   description="pdserve: deadline in seconds (0 < timeout <= 86400)")
 
     def sampling(self, max_tokens: int | None, defaults: dict, logprobs: int | None = None) -> SamplingParams:
         """Validated params; raises InvalidRequest naming the field (answered as a 400).
