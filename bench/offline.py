@@ -131,6 +131,8 @@ def command(
     chat: Annotated[bool, typer.Option(help="apply the chat template to prompts")] = True,
     seed: Annotated[int, typer.Option()] = 0,
     threads: Annotated[Optional[int], typer.Option(help="torch threads (default: all cores)")] = None,
+    dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16 (auto: bf16 where the CPU "
+                                            "has native bf16, else fp32)")] = "auto",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
 ) -> None:
     """pdserve bench offline: continuous vs static batching throughput."""
@@ -143,13 +145,16 @@ def command(
     from engine.model_loader import load_tokenizer, resolve_model
     from engine.model_runner import ModelRunner
 
-    if threads:
-        torch.set_num_threads(threads)
+    from engine.platform import check_threads, resolve_dtype
+
+    torch_dtype = resolve_dtype(dtype, "cpu")  # UserError naming --dtype
+    torch.set_num_threads(check_threads(threads))
     lengths = output_lengths(num_prompts, max_tokens, output_len_dist, seed)
     prompts = load_prompts(dataset, dataset_path, num_prompts)
     path = resolve_model(model)
     tokenizer = load_tokenizer(path)
-    runner = ModelRunner(path, block_size=16, num_blocks=num_kv_blocks, kv_cache_memory_bytes=2 * 2**30)
+    runner = ModelRunner(path, block_size=16, num_blocks=num_kv_blocks, kv_cache_memory_bytes=2 * 2**30,
+                         dtype=torch_dtype)
     template = lambda p: [{"role": "user", "content": p}]  # noqa: E731
     prompt_ids = [list(tokenizer.apply_chat_template(template(p), add_generation_prompt=True, tokenize=True)
                        ["input_ids"]) if chat else tokenizer(p)["input_ids"] for p in prompts]
@@ -167,7 +172,8 @@ def command(
         print(f"continuous / static output throughput: {ratio:.2f}x")
     report_meta = {"model": model, "num_prompts": num_prompts, "output_len": max_tokens or output_len_dist,
                    "seed": seed, "mean_output_len": sum(lengths) / len(lengths),
-                   "static_padding": static_padding, "kv_blocks": runner.num_blocks}
+                   "static_padding": static_padding, "kv_blocks": runner.num_blocks,
+                   "dtype": str(torch_dtype).removeprefix("torch."), "threads": torch.get_num_threads()}
     report["config"] = report_meta
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
