@@ -31,7 +31,7 @@ def main() -> int:
     env = dict(os.environ, RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1",
                RAY_TMPDIR=os.environ.get("RAY_TMPDIR") or tempfile.mkdtemp(prefix="pdserve-demo-"))
     pdserve = str(Path(sys.executable).parent / "pdserve")
-    server = subprocess.Popen([pdserve, "serve", "--prefill", "1", "--decode", "1", "--port", str(port),
+    server = subprocess.Popen([pdserve, "serve", "--mode", "disagg", "--prefill", "1", "--decode", "1", "--port", str(port),
                                "--http-port", "-1", "--metrics-port", "-1", "--num-blocks", "256"], env=env)
     try:
         with RouterClient(f"127.0.0.1:{port}") as client:

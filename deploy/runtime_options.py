@@ -18,10 +18,15 @@ import typer
 from engine import platform
 from engine.errors import UserError
 
-# Chunked-prefill token budget of one forward (decode tokens + prefill chunks). Measured with
-# `pdserve bench serve` on the issue-10 workload (docs/runtime.md): small enough that a prefill
-# chunk does not stall the decode rows sharing its step, large enough to keep GEMMs efficient.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+# Chunked-prefill token budget of one forward (decode tokens + prefill chunks), for serve.
+# Measured 2026-12-01 (2-core Zen 5, bf16, agg 1 worker x 2 threads; `pdserve bench serve`,
+# 32 ShareGPT prompts, 64 tokens, ignore_eos, concurrency 16; machine load 17-40, two rounds):
+#   budget 512: 77 / 138 output tok/s, ITL p99 2643 / 838 ms
+#   budget 256: 136 / 106 / 140 tok/s,   ITL p99 713 / 768 / 569 ms
+#   budget 128: 93 / 139 tok/s,          ITL p99 602 / 505 ms, TTFT p99 the lowest of round 2
+# Throughput is the same within the noise; a step's time grows with its prefill chunk, so the
+# smallest budget keeps decode rows from stalling behind a prefill (ITL p99).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 128
 # Default KV cache per worker: this much, or less where memory is short (below).
 DEFAULT_KV_CACHE_BYTES = 2 * 2**30
 DEFAULT_KV_MEMORY_FRACTION = 0.2   # of MemAvailable, shared by the workers of this host

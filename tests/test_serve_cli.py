@@ -52,7 +52,7 @@ def test_serve_subprocess_health_answer_sigint(tmp_path):
                PDSERVE_TEST_MARKER=marker.split("=", 1)[1])
     env.pop("RAY_ADDRESS", None)
     log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen([str(PDSERVE), "serve", "--prefill", "1", "--decode", "1", "--port", str(grpc_port),
+    proc = subprocess.Popen([str(PDSERVE), "serve", "--mode", "disagg", "--prefill", "1", "--decode", "1", "--port", str(grpc_port),
                              "--http-port", str(http_port), "--metrics-port", str(metrics_port),
                              "--num-blocks", "256"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
