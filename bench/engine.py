@@ -82,11 +82,15 @@ def command(
                "decode": [_decode(runners, tokens, context, b, repeats, floors, hf) for b in sizes]}
         result["runs"].append(run)
         _print_run(run, names)
-    result["load_after"] = _load()
+        result["load_after"] = _load()
+        _write(json_out, result)  # after every thread count: a long run interrupted keeps what it measured
     print(f"load after: {result['load_after']}")
-    json_out.parent.mkdir(parents=True, exist_ok=True)
-    json_out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {json_out}")
+
+
+def _write(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
 
 
 # ---- arguments -------------------------------------------------------------------------------
