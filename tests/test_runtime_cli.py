@@ -64,3 +64,11 @@ def test_serve_bad_dtype_as_a_real_command():
                          env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip() == "pdserve: error: --dtype 'double': expected one of auto, float32, bfloat16, float16"
+
+
+@pytest.mark.parametrize("args, fragment", [(["--dtypes", "fp8"], "--dtype 'fp8'"),
+                                            (["--threads", str(NCORES + 1)], f"--threads {NCORES + 1}"),
+                                            (["--batch-sizes", "1,x"], "--batch-sizes")])
+def test_bench_engine_bad_flags(monkeypatch, capsys, args, fragment):
+    code, err = run_cli(monkeypatch, capsys, "bench", "engine", *args)
+    assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
