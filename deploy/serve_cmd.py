@@ -77,6 +77,8 @@ def command(
                                           help="Clients must send 'Authorization: Bearer KEY' (HTTP) or metadata "
                                           "'authorization: Bearer KEY' (gRPC); /health and /metrics stay open.",
                                           rich_help_panel=ROUTER),
+    max_body_bytes: int = typer.Option(16 * 1024 * 1024, min=1, help="A larger HTTP request body is answered 413.",
+                                       rich_help_panel=ROUTER),
     max_waiting: int = typer.Option(256, min=0, help="More waiting requests than this: RESOURCE_EXHAUSTED (429).",
                                     rich_help_panel=ROUTER),
     worker_poll_interval: float = typer.Option(0.2, min=0.01, help="Seconds between the router's polls of the "
@@ -185,7 +187,7 @@ def command(
                           reservation_lease_s=reservation_lease, hold_lease_s=hold_lease,
                           prefill_attempts=prefill_attempts, abort_timeout_s=abort_timeout,
                           worker_poll_interval_s=worker_poll_interval, worker_rpc_timeout_s=worker_rpc_timeout,
-                          routing=routing, api_key=api_key or None)
+                          routing=routing, api_key=api_key or None, max_body_bytes=max_body_bytes)
     print(f"pdserve: {rt.describe()}", flush=True)
     scaling = scaling_options(autoscale, slo, profile, planner_interval, min_prefill, max_prefill, min_decode,
                               max_decode, admin_port, mode, metrics_port)

@@ -21,6 +21,7 @@ import uvicorn
 
 from proto.pdserve.v1 import api_pb2
 from router.grpc_server import NOT_SERVING, SERVICE_NAME, SERVING, build_server
+from router.body_limit import DEFAULT_MAX_BODY_BYTES
 from router.http_server import build_app
 from router.kv_sync import KvEventSync
 from router.metrics import RouterMetrics, serve_metrics
@@ -63,6 +64,7 @@ class RouterConfig:
     worker_poll_interval_s: float = 0.2
     worker_rpc_timeout_s: float = RPC_TIMEOUT_S
     routing: RoutingConfig = RoutingConfig()   # --router-policy, --router-temperature
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # --max-body-bytes: a larger HTTP body is a 413
     api_key: str | None = field(default=None, repr=False)  # --api-key / $PDSERVE_API_KEY: public HTTP and gRPC need it (router/auth.py)
 
     def flow(self) -> FlowConfig:
@@ -125,7 +127,8 @@ class Router:
         return self.endpoints
 
     async def _start_http(self) -> str:
-        config = uvicorn.Config(build_app(self.service, self.metrics.registry, self.config.api_key), host=self.config.host, port=self.config.http_port,
+        config = uvicorn.Config(build_app(self.service, self.metrics.registry, self.config.api_key,
+                                          self.config.max_body_bytes), host=self.config.host, port=self.config.http_port,
                                 log_level="warning", lifespan="off")
         self._uvicorn = uvicorn.Server(config)
         self._http_task = asyncio.create_task(self._uvicorn.serve())

@@ -26,15 +26,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from proto.sampling import InvalidRequest
 from router import auth, fanout
+from router.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from router.errors import ServiceError
 from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, DecodeTokensRequest, Shape,
                                     TokenizeRequest, _SamplingFields, invalid)
 from router.service import Delta, Prepared, RouterService
 
 
-def build_app(service: RouterService, metrics_registry=None, api_key: str | None = None) -> FastAPI:
-    """api_key: when set, every route but /health and /metrics needs `Authorization: Bearer KEY` (router/auth.py)."""
+def build_app(service: RouterService, metrics_registry=None, api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """api_key: when set, every route but /health and /metrics needs `Authorization: Bearer KEY` (router/auth.py).
+    max_body_bytes: a larger request body is a 413 (router/body_limit.py)."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     if api_key is not None:
         @app.middleware("http")

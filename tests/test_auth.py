@@ -18,6 +18,7 @@ from proto.pdserve.v1 import api_pb2, api_pb2_grpc
 from router.auth import bearer_ok, resolve_api_key
 
 KEY = "sk-test-0123456789"
+LIMIT = 64 * 1024
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def router():
 
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    r = Router(CallableRegistry(no_workers), RouterConfig(port=0, http_port=0, api_key=KEY))
+    r = Router(CallableRegistry(no_workers), RouterConfig(port=0, http_port=0, api_key=KEY, max_body_bytes=LIMIT))
     ep = asyncio.run_coroutine_threadsafe(r.start(), loop).result(60)
     try:
         yield ep
@@ -102,3 +103,18 @@ def test_grpc_needs_the_key_but_health_stays_open(router):
 async def _drain(stream) -> None:
     async for _ in stream:
         pass
+
+
+def test_body_over_the_limit_is_413_declared_or_chunked(router):
+    """router/body_limit.py on the same router: checked after authentication, before parsing."""
+    base = f"http://{router.http}"
+    big = b'{"prompt": "' + b"x" * LIMIT + b'"}'
+    auth = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    r = httpx.post(f"{base}/v1/completions", content=big, headers=auth)
+    assert r.status_code == 413 and str(LIMIT) in r.json()["error"]["message"], r.text
+    chunked = httpx.post(f"{base}/v1/completions", content=iter([big[:1000], big[1000:]]), headers=auth)
+    assert chunked.status_code == 413, chunked.text
+    assert httpx.post(f"{base}/v1/completions", content=big, headers={}).status_code == 401
+    small = httpx.post(f"{base}/v1/completions", content=iter([b'{"prompt": "hi",', b' "max_tokens": 1}']),
+                       headers=auth)
+    assert small.status_code == 503, small.text  # under the limit (chunked, replayed): through to the service
