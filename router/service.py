@@ -174,9 +174,27 @@ class RouterService:
             else:
                 ids = self.tokenize(model, prompt, chat, add_generation_prompt)[1]
             check_prompt(ids, sampling.max_tokens, self.max_model_len)
+            self._check_kv_capacity(len(ids), sampling.max_tokens)
         except InvalidRequest as e:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         return Prepared(request_id or f"req-{uuid.uuid4().hex[:16]}", ids, sampling)
+
+    def _check_kv_capacity(self, prompt_len: int, max_tokens: int) -> None:
+        """InvalidRequest("max_tokens") when prompt + max_tokens needs more KV blocks than the largest
+        live decode-capable worker has in all: it could only ever get RESOURCE_EXHAUSTED (429, "retry
+        later"), and no retry can succeed. Skipped until the workers' Stats are known."""
+        totals = [(w.stats.kv_blocks_total, w.info.block_size) for w in self.pool.workers()
+                  if w.alive and w.endpoint.role in ("decode", "agg") and w.stats.kv_blocks_total > 0
+                  and w.info.block_size > 0]
+        if not totals:
+            return
+        blocks, block_size = max(totals, key=lambda t: t[0] * t[1])
+        need = -(-(prompt_len + max_tokens) // block_size)
+        if need > blocks:
+            raise InvalidRequest("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs "
+                                               f"{need} KV blocks of {block_size} tokens, but the largest decode "
+                                               f"worker's KV cache holds {blocks} blocks ({blocks * block_size} "
+                                               f"tokens); shorten the prompt or lower max_tokens")
 
     # -- streaming -------------------------------------------------------------------------------
     async def stream(self, req: Prepared, timeout_s: float | None = None) -> AsyncIterator[Delta]:

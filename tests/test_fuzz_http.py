@@ -72,13 +72,16 @@ def requests(draw):
     return kind, body
 
 
+CACHE_BLOCKS = 24  # x 16 tokens = 384 < max_model_len 512: some requests fit the context but never the cache
+
+
 @pytest.fixture(scope="module")
 def serving(ray_session):
     from deploy.cluster import ClusterSpec
     from deploy.local_cluster import LocalServing
     from router.app import RouterConfig
 
-    spec = ClusterSpec(mode="agg", num_prefill=0, num_decode=1, num_blocks=128, max_model_len=512,
+    spec = ClusterSpec(mode="agg", num_prefill=0, num_decode=1, num_blocks=CACHE_BLOCKS, max_model_len=512,
                        enable_prefix_caching=False)
     with LocalServing(spec, RouterConfig(port=0, http_port=0, mode="agg")) as s:
         with httpx.Client(base_url=s.http_base_url, timeout=60) as client:
@@ -120,6 +123,15 @@ def test_known_bad_bodies_are_400_with_a_json_error(serving, body, field):
     r = client.post(f"/{kind}", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     assert field is None or field in r.json()["error"]["message"], r.text
+
+
+def test_request_that_never_fits_the_kv_cache_is_400_naming_the_limit(serving):
+    _, client = serving
+    r = client.post("/completions", json={"prompt": "Hi", "max_tokens": 450})  # fits 512, not 384
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "max_tokens" and "KV cache holds" in err["message"], err
+    assert client.post("/completions", json={"prompt": "Hi", "max_tokens": 4}).status_code == 200
 
 
 def test_huge_body_is_not_a_5xx(serving):
