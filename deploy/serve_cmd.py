@@ -119,7 +119,11 @@ def command(
     num_speculative_tokens: Optional[int] = typer.Option(None, help="Most draft tokens per request and step "
                                                          "(default 4); each step's k is chosen in 0..K by load.",
                                                          rich_help_panel=SPEC),
-    speculative_model: Optional[str] = typer.Option(None, help="Draft model (method draft).", rich_help_panel=SPEC),
+    speculative_model: Optional[str] = typer.Option(None, help="Draft model with the target's tokenizer (method "
+                                                    "draft), e.g. the served model itself, quantized.",
+                                                    rich_help_panel=SPEC),
+    speculative_quantization: str = typer.Option("none", help="Linear method of the draft: none | int8 | fp8.",
+                                                 rich_help_panel=SPEC),
     spec_ngram_max: int = typer.Option(4, help="Longest n-gram matched (method ngram).", rich_help_panel=SPEC),
     spec_ngram_min: int = typer.Option(2, help="Shortest n-gram matched (method ngram).", rich_help_panel=SPEC),
     autoscale: bool = typer.Option(False, help="Run the SLA planner: scale prefill and decode pools to the --slo.",
@@ -149,7 +153,7 @@ def command(
     registry_url = router_cmd.check_registry(registry)
     routing = router_cmd.routing_config(router_policy, router_temperature, kv_overlap_score_weight)
     speculative = from_flags(speculative_method, num_speculative_tokens, speculative_model, spec_ngram_max,
-                             spec_ngram_min)
+                             spec_ngram_min, speculative_quantization)
     if mode not in ("disagg", "agg"):
         raise UserError(f"--mode must be disagg or agg, got {mode!r}")
     if kv_transport not in ("nixl", "torch", "tcp"):

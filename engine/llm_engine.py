@@ -50,9 +50,11 @@ class LLMEngine:
     """runner / tokenizer: pass them to share a loaded model (tests, benchmarks); by default
     they are loaded from ``config.model``. With a shared runner, ``config.cache.num_blocks`` (if
     set) limits the engine to that many of the runner's blocks. track_kv_waste: sample allocated-vs-filled KV slots
-    every step (benchmarks)."""
+    every step (benchmarks). draft_runner: the draft model's runner for speculative method "draft"
+    (its own cache; by default loaded from ``config.speculative.model``)."""
 
-    def __init__(self, config: EngineConfig, *, runner=None, tokenizer=None, track_kv_waste: bool = False) -> None:
+    def __init__(self, config: EngineConfig, *, runner=None, tokenizer=None, track_kv_waste: bool = False,
+                 draft_runner=None) -> None:
         import torch
 
         from engine.model_loader import load_tokenizer
@@ -84,7 +86,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, max_model_len=self.model_config.max_model_len,
                                    eos_token_ids=self.model_config.eos_token_ids)
         self.sampler = Sampler(self.model_config.eos_token_ids)
-        self.speculator = self._make_speculator(config)
+        self.speculator = self._make_speculator(config, draft_runner)
         self._make_generator = make_generator
         self._streams: dict[str, _Stream] = {}
         self.layer_hook: LayerHook | None = None
@@ -95,14 +97,31 @@ class LLMEngine:
         self.kv_usage_peak = 0.0
         self._template: ChatTemplate | None = None
 
-    def _make_speculator(self, config: EngineConfig):
-        if config.speculative is None:
+    def _make_speculator(self, config: EngineConfig, draft_runner=None):
+        spec = config.speculative
+        if spec is None:
             return None
         if config.scheduler.batching != "continuous":
             raise ValueError("speculative decoding needs continuous batching")
         from engine.spec_decode.speculator import Speculator
 
-        return Speculator(config.speculative, self.scheduler.max_model_len)
+        proposer = None
+        if spec.method == "draft":
+            import torch
+
+            from engine.model_runner import ModelRunner
+            from engine.spec_decode.draft import DraftModelProposer
+
+            draft_runner = draft_runner or ModelRunner(spec.model, block_size=self.runner.block_size,
+                                                       num_blocks=self.runner.num_blocks,
+                                                       dtype=getattr(torch, config.dtype), device=config.device,
+                                                       quantization=spec.quantization)
+            proposer = DraftModelProposer(draft_runner, self.model_config.vocab_size)
+        return Speculator(spec, self.scheduler.max_model_len, proposer)
+
+    def _release_spec(self, request_id: str) -> None:
+        if self.speculator is not None:
+            self.speculator.release(request_id)
 
     # ---- requests ----------------------------------------------------------------------------
     def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
@@ -148,6 +167,7 @@ class LLMEngine:
         """Free everything the request holds at any state (idempotent). Returns its final output
         (finish_reason "abort") if it was still streaming, else None."""
         req = self.scheduler.abort(request_id)
+        self._release_spec(request_id)
         if req is None or request_id not in self._streams:
             return None
         self._streams.pop(request_id)
@@ -178,12 +198,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, apply. Returns one output per request that advanced."""
         spec = self.speculator
+        start = time.perf_counter()  # the step-time model counts drafting too (a draft model's forwards)
         plan = self.scheduler.schedule(spec.drafts(self.scheduler.running) if spec is not None else None)
         self.last_step_ran = not plan.is_empty
         if plan.is_empty:
             return []
         self.kv_usage_peak = max(self.kv_usage_peak, self.block_manager.usage)
-        start = time.perf_counter()
         result = self._execute(plan)
         if spec is not None:
             spec.observe(plan, result, time.perf_counter() - start)
@@ -254,6 +274,7 @@ class LLMEngine:
             delta += stream.detokenizer.finish()
             reason = "stop" if stream.detokenizer.stopped else req.state.finish_reason
             self._streams.pop(req.request_id)
+            self._release_spec(req.request_id)
         held = list(self.block_manager.block_table(req.request_id)) if req.is_finished and req.hold_kv else None
         return RequestOutput(req.request_id, new_ids, delta, req.is_finished, reason, self._usage(req), held,
                              [logprobs] if logprobs is not None else None,
@@ -290,6 +311,7 @@ class LLMEngine:
             if not req.is_finished:
                 self.scheduler.finish(rid, RequestState.FINISHED_ERROR)
             self.scheduler.abort(rid)
+            self._release_spec(rid)
             if self._streams.pop(rid, None) is not None:
                 outputs.append(RequestOutput(rid, [], "", True, "error", self._usage(req)))
         return outputs

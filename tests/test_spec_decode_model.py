@@ -145,3 +145,33 @@ def test_k_zero_runs_exactly_the_plain_forwards(runner, tokenizer, prompts):
     assert spec_rec.calls == plain_rec.calls
     hist = spec.stats().spec_k_histogram
     assert hist[0] > 0 and sum(hist[1:]) == 0 and spec.stats().spec_num_drafts == 0
+
+
+@pytest.fixture(scope="module")
+def draft_runner(model_path):
+    """The unquantized model as its own draft, on its own small cache."""
+    from engine.model_runner import ModelRunner
+
+    return ModelRunner(model_path, block_size=16, num_blocks=200)
+
+
+def test_self_draft_accepts_everything_and_abort_frees_draft_blocks(runner, draft_runner, tokenizer, prompts,
+                                                                     greedy_reference):
+    """The mechanics test of the draft-model path: the target as its own (greedy) draft is
+    accepted at every position (up to near ties), the output is the plain greedy output, and
+    every draft block is freed at the end and on an abort in the middle of a run."""
+    cfg = SpeculativeConfig(method="draft", model="self", num_speculative_tokens=3, adaptive=False)
+    eng = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=600), speculative=cfg), runner=runner,
+                    tokenizer=tokenizer, draft_runner=draft_runner)
+    outs = run_to_completion(eng, prompts[:4], GREEDY)
+    assert_same_tokens([o.token_ids for o in outs], greedy_reference[:4])
+    st = eng.stats()
+    assert st.spec_num_draft_tokens > 0 and st.spec_num_accepted_tokens >= 0.95 * st.spec_num_draft_tokens
+    draft_bm = eng.speculator.proposer.bm
+    assert draft_bm.num_used_blocks == 0
+    eng.add_request("x", prompts[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    while not eng.speculator.counters.num_drafts or draft_bm.num_used_blocks == 0:
+        eng.step()
+    eng.abort("x")
+    assert draft_bm.num_used_blocks == 0 and eng.block_manager.num_used_blocks == 0
+    draft_bm.check_invariants()

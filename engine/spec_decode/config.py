@@ -11,7 +11,7 @@ MAX_SPECULATIVE_TOKENS = 16
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """method: "ngram" (prompt lookup, no model) or "draft" (a draft model; not implemented yet).
+    """method: "ngram" (prompt lookup, no model) or "draft" (a draft model, engine/spec_decode/draft.py).
     num_speculative_tokens: the most draft tokens verified per request and step (k_max, 1..16);
         with ``adaptive`` each request's k is chosen in 0..k_max every step.
     ngram_max / ngram_min: n-gram lengths tried, longest first (``--spec-ngram-max/min``).
@@ -69,6 +69,8 @@ def from_flags(method: str | None, num_speculative_tokens: int | None, model: st
         raise UserError(f"--num-speculative-tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
     if not 1 <= ngram_min <= ngram_max:
         raise UserError(f"--spec-ngram-min ({ngram_min}) must be in [1, --spec-ngram-max ({ngram_max})]")
-    if method == "draft":
-        raise UserError("--speculative-method draft is not implemented yet; use --speculative-method ngram")
+    if method == "draft" and not model:
+        raise UserError("--speculative-method draft needs --speculative-model NAME|PATH")
+    if quantization not in ("none", "int8", "fp8"):
+        raise UserError(f"--speculative-quantization must be none, int8 or fp8, got {quantization!r}")
     return SpeculativeConfig(method, k, ngram_max, ngram_min, model, quantization)

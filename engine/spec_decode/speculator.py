@@ -47,14 +47,15 @@ class SpecCounters:
 
 
 class Speculator:
-    """max_model_len: the scheduler's (positions never pass it)."""
+    """max_model_len: the scheduler's (positions never pass it). proposer: the draft model's
+    (engine/spec_decode/draft.py) for method "draft"; the n-gram proposer is built here."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        if config.method != "ngram":
-            raise NotImplementedError("speculative method 'draft' is not implemented yet; use ngram")
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer=None) -> None:
+        if config.method == "draft" and proposer is None:
+            raise ValueError("speculative method draft needs the draft model's proposer")
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
+        self.proposer = proposer or NgramProposer(config.ngram_min, config.ngram_max)
         self.time_model = StepTimeModel()
         self.acceptance: dict[str, AcceptanceRate] = {}
         self.previous_k: dict[str, int] = {}
@@ -75,19 +76,28 @@ class Speculator:
         self._forget({r.request_id for r in running})
         eligible = [r for r in decode if can_speculate(r.params)]
         self._candidates = frozenset(r.request_id for r in eligible)
+        if not self.proposer.is_free:  # a draft model: choose k first, then run it for that many tokens
+            ks = self._choose({r.request_id: self.room(r) for r in eligible}, len(decode))
+            drafts = self.proposer.propose_batch(eligible, ks)
+            return {rid: d for rid, d in drafts.items() if d}
         proposals = {r.request_id: self.proposer.propose(r.request_id, r.all_token_ids, self.room(r)) for r in eligible}
         proposals = {rid: p for rid, p in proposals.items() if p}
         if not proposals:
             return {}
-        ks = self._choose(proposals, len(decode))
+        ks = self._choose({rid: len(p) for rid, p in proposals.items()}, len(decode))
         return {rid: p[:ks[rid]] for rid, p in proposals.items() if ks[rid]}
 
-    def _choose(self, proposals: dict[str, tuple[int, ...]], num_decode_rows: int) -> dict[str, int]:
+    def _choose(self, caps: dict[str, int], num_decode_rows: int) -> dict[str, int]:
         if not self.config.adaptive:
-            return {rid: len(p) for rid, p in proposals.items()}
-        cands = [Candidate(rid, len(p), self._rate(rid).value, self.previous_k.get(rid, 0))
-                 for rid, p in proposals.items()]
+            return dict(caps)
+        cands = [Candidate(rid, cap, self._rate(rid).value, self.previous_k.get(rid, 0)) for rid, cap in caps.items()]
         return choose_k(cands, num_decode_rows + self._other_tokens, num_decode_rows, self.time_model)
+
+    def release(self, request_id: str) -> None:
+        """The request finished or was aborted: free what the proposer holds for it (draft blocks)."""
+        release = getattr(self.proposer, "release", None)
+        if release is not None:
+            release(request_id)
 
     def _rate(self, request_id: str) -> AcceptanceRate:
         rate = self.acceptance.get(request_id)

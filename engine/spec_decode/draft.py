@@ -1,0 +1,87 @@
+"""Draft-model proposer: a smaller (or quantized) model with the same tokenizer proposes k tokens
+greedily, on its own paged KV cache, before the target verifies them.
+
+The draft's cache has its own block manager (no prefix caching); each request's draft blocks
+are allocated when it first drafts and freed with it (``release``, called on finish and abort,
+and ``forget`` for anything no longer running). What the draft cache holds is tracked as the
+tokens whose K/V it computed: after a verification, the longest common prefix of those and the
+request's tokens is still valid, the rest is recomputed (overwritten) by the next catch-up chunk.
+So the draft's prefill of a prompt whose KV came from a prefill worker (P/D) is recomputed on
+the decode side in the first catch-up chunk (counted in ``num_catchup_tokens``); nothing is
+shipped.
+
+Drafts are the draft model's argmax: a deterministic function of the context, so q is one-hot
+and rejection.verify_one_hot is exact for every target sampling setting.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from engine.block_manager import BlockManager
+from engine.request import Request
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class DraftModelProposer:
+    """runner: the draft's engine.model_runner.ModelRunner (its own cache). Raises ValueError if
+    its vocabulary differs from the target's (target_vocab_size)."""
+
+    is_free = False
+
+    def __init__(self, runner, target_vocab_size: int) -> None:
+        if runner.model_config.vocab_size != target_vocab_size:
+            raise ValueError(f"speculative model vocabulary {runner.model_config.vocab_size} != target's "
+                             f"{target_vocab_size}: a draft model needs the target's tokenizer")
+        self.runner = runner
+        self.bm = BlockManager(runner.num_blocks, runner.block_size, watermark=0.0, enable_prefix_caching=False)
+        self._written: dict[str, list[int]] = {}
+        self.num_forwards = 0
+        self.num_catchup_tokens = 0
+
+    def propose_batch(self, requests: Sequence[Request], ks: dict[str, int]) -> dict[str, tuple[int, ...]]:
+        """Up to ks[id] greedy draft tokens per request, in 1 catch-up forward + (max k - 1)
+        one-token forwards, batched over the requests. A request whose draft blocks do not fit
+        gets none."""
+        from engine.batch import SeqChunk
+
+        rows = []
+        for r in requests:
+            k, tokens = ks.get(r.request_id, 0), r.all_token_ids
+            if k <= 0 or self.bm.allocate(r.request_id, len(tokens) + k - 1) is None:
+                continue
+            start = min(common_prefix(self._written.get(r.request_id, ()), tokens), len(tokens) - 1)
+            self.num_catchup_tokens += len(tokens) - start
+            rows.append((r.request_id, k, tokens, start))
+        drafts: dict[str, list[int]] = {rid: [] for rid, *_ in rows}
+        chunks = [SeqChunk(tokens[start:], start, self.bm.block_table(rid)) for rid, _, tokens, start in rows]
+        for rid, _, tokens, _ in rows:
+            self._written[rid] = list(tokens)
+        live = [(rid, k, len(tokens)) for rid, k, tokens, _ in rows]
+        while chunks:
+            next_ids = self.runner.forward(chunks).argmax(dim=-1).tolist()
+            self.num_forwards += 1
+            for (rid, _, _), t in zip(live, next_ids):
+                drafts[rid].append(t)
+            live = [(rid, k, n) for rid, k, n in live if len(drafts[rid]) < k]
+            chunks = []
+            for rid, _, n in live:
+                pos = n + len(drafts[rid]) - 1
+                chunks.append(SeqChunk([drafts[rid][-1]], pos, self.bm.block_table(rid)))
+                self._written[rid].append(drafts[rid][-1])
+        return {rid: tuple(d) for rid, d in drafts.items()}
+
+    def release(self, request_id: str) -> None:
+        self.bm.free(request_id)
+        self._written.pop(request_id, None)
+
+    def forget(self, live_request_ids: set[str] | frozenset[str]) -> None:
+        for rid in [r for r in self.bm.holders() if r not in live_request_ids]:
+            self.release(rid)
