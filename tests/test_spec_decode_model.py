@@ -17,7 +17,7 @@ from engine_helpers import first_near_tie, run_to_completion
 
 pytestmark = pytest.mark.model
 
-NUM_PROMPTS, MAX_TOKENS, PROMPT_CHARS = 16, 12, 256
+NUM_PROMPTS, MAX_TOKENS, PROMPT_CHARS = 16, 10, 200
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 ALWAYS = SpeculativeConfig(num_speculative_tokens=4, adaptive=False)  # speculate whenever n-gram matches
 
