@@ -74,7 +74,7 @@ def assert_same_tokens(got: list[list[int]], reference) -> None:
             assert tokens == ref, f"prompt {i}"
 
 
-def test_greedy_ngram_is_token_identical_in_a_batch_and_alone(runner, tokenizer, prompts, greedy_reference):
+def test_greedy_ngram_is_token_identical_in_a_batch(runner, tokenizer, prompts, greedy_reference):
     batch = engine(runner, tokenizer, ALWAYS)
     outs = run_to_completion(batch, prompts, GREEDY)
     assert_same_tokens([o.token_ids for o in outs], greedy_reference)
@@ -83,6 +83,8 @@ def test_greedy_ngram_is_token_identical_in_a_batch_and_alone(runner, tokenizer,
     assert st.kv_blocks_used == 0
     batch.block_manager.check_invariants()
 
+
+def test_greedy_ngram_is_token_identical_alone(runner, tokenizer, prompts, greedy_reference):
     alone = engine(runner, tokenizer, ALWAYS)
     outs = [run_to_completion(alone, [p], GREEDY)[0] for p in prompts]
     assert_same_tokens([o.token_ids for o in outs], greedy_reference)
