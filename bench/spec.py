@@ -2,9 +2,12 @@
 
 For each workload (ShareGPT; "grounded": fix the grammar of a ShareGPT text, whose reply repeats
 the prompt) and each concurrency (closed loop: a new request as soon as one finishes), the same
-requests run without speculation and with n-gram speculation (load-adaptive k), alternately,
-on one shared model runner. Per cell: TPOT p50 (ms, per request (last - first token time) /
-(tokens - 1)), output tokens/s, acceptance rate (accepted / draft tokens), mean accepted length
+requests run without speculation and with n-gram speculation (load-adaptive k) on two engines
+sharing one model runner, *in lockstep*: one step of one engine, then one of the other. Each
+engine's clock advances only by the duration of its own steps, so both see the same machine
+load (which drifts by 3x within minutes on a shared box) and the ratio is fair.
+Per cell: TPOT p50 (ms, per request (last - first token time) / (tokens - 1), on the engine's
+clock), output tokens/s (tokens / engine clock), acceptance rate (accepted / draft tokens), mean accepted length
 (tokens emitted per verification row = 1 + accepted / rows), and the share of decode rows that
 ran with k >= 1. The speculative counters come from the engine itself (EngineStats), which a
 serving benchmark over HTTP cannot see. The machine's load average is printed beside the
@@ -45,7 +48,7 @@ def command(
     from engine.spec_decode.config import SpeculativeConfig
 
     torch.set_num_threads(threads)
-    runner = ModelRunner(model, block_size=16, num_blocks=2048)
+    runner, runner_spec = (ModelRunner(model, block_size=16, num_blocks=1024) for _ in range(2))  # one cache each
     tok = load_tokenizer(runner.model_config.path)
     spec = SpeculativeConfig(num_speculative_tokens=num_speculative_tokens, adaptive=adaptive)
     cells = []
@@ -54,9 +57,13 @@ def command(
             n = max(num_prompts, conc)
             reqs = load_requests(DatasetConfig(name, num_prompts=n, max_tokens=max_tokens, input_len=input_len), tok)
             prompts = [_chat(tok, r.prompt) for r in reqs]
-            _run(runner, tok, prompts[:1], 1, max_tokens, None)  # warm-up: first shapes
-            off = _run(runner, tok, prompts, conc, max_tokens, None)
-            on = _run(runner, tok, prompts, conc, max_tokens, spec)
+            _Loop(runner, tok, prompts[:1], 1, max_tokens, None).run_alone()  # warm-up: first shapes
+            off = _Loop(runner, tok, prompts, conc, max_tokens, None)
+            on = _Loop(runner_spec, tok, prompts, conc, max_tokens, spec)
+            while not (off.done and on.done):
+                off.step()
+                on.step()
+            off, on = off.figures(), on.figures()
             cells.append({"dataset": name, "concurrency": conc, "num_prompts": n, "off": off, "on": on,
                           "tpot_speedup": off["tpot_p50_ms"] / on["tpot_p50_ms"],
                           "throughput_ratio": on["output_tok_s"] / off["output_tok_s"],
@@ -74,35 +81,55 @@ def _chat(tok, text: str) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def _run(runner, tok, prompts: list[list[int]], conc: int, max_tokens: int, spec) -> dict:
-    """Closed loop at ``conc`` requests in flight; per-request token times; engine counters."""
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from engine.llm_engine import LLMEngine
-    from proto.sampling import SamplingParams
+class _Loop:
+    """One engine in a closed loop at ``conc`` requests in flight, timed on its own step clock."""
 
-    eng = LLMEngine(EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max(conc, 1)), cache=CacheConfig(),
-                                 speculative=spec), runner=runner, tokenizer=tok)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    times: dict[str, list[float]] = {}
-    pending = list(enumerate(prompts))
-    start = time.perf_counter()
-    while pending or eng.has_unfinished():
-        while pending and len(eng.scheduler.running) + len(eng.scheduler.waiting) < conc:
-            i, p = pending.pop(0)
-            eng.add_request(f"r{i}", p, params)
-            times[f"r{i}"] = []
-        for out in eng.step():
-            times[out.request_id] += [time.perf_counter()] * len(out.new_token_ids)
-    wall = time.perf_counter() - start
-    tpots = [(t[-1] - t[0]) / (len(t) - 1) * 1e3 for t in times.values() if len(t) > 1]
-    st = eng.stats()
-    hist = st.spec_k_histogram
-    return {"tpot_p50_ms": statistics.median(tpots), "output_tok_s": sum(len(t) for t in times.values()) / wall,
-            "output_tokens": sum(len(t) for t in times.values()), "steps": eng.num_steps,
-            "acceptance_rate": st.spec_num_accepted_tokens / st.spec_num_draft_tokens if st.spec_num_draft_tokens else None,
-            "mean_accepted_length": 1 + st.spec_num_accepted_tokens / st.spec_num_drafts if st.spec_num_drafts else None,
-            "speculated_row_share": sum(hist[1:]) / sum(hist) if hist and sum(hist) else None,
-            "k_histogram": list(hist)}
+    def __init__(self, runner, tok, prompts: list[list[int]], conc: int, max_tokens: int, spec) -> None:
+        from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+        from engine.llm_engine import LLMEngine
+        from proto.sampling import SamplingParams
+
+        self.eng = LLMEngine(EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max(conc, 1)),
+                                          cache=CacheConfig(), speculative=spec),
+                             runner=runner, tokenizer=tok)
+        self.params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        self.pending = list(enumerate(prompts))
+        self.conc, self.clock = conc, 0.0
+        self.times: dict[str, list[float]] = {}
+
+    @property
+    def done(self) -> bool:
+        return not self.pending and not self.eng.has_unfinished()
+
+    def step(self) -> None:
+        if self.done:
+            return
+        s = self.eng.scheduler
+        while self.pending and len(s.running) + len(s.waiting) < self.conc:
+            i, p = self.pending.pop(0)
+            self.eng.add_request(f"r{i}", p, self.params)
+            self.times[f"r{i}"] = []
+        start = time.perf_counter()
+        outs = self.eng.step()
+        self.clock += time.perf_counter() - start
+        for out in outs:
+            self.times[out.request_id] += [self.clock] * len(out.new_token_ids)
+
+    def run_alone(self) -> None:
+        while not self.done:
+            self.step()
+
+    def figures(self) -> dict:
+        times, st = self.times, self.eng.stats()
+        tpots = [(t[-1] - t[0]) / (len(t) - 1) * 1e3 for t in times.values() if len(t) > 1]
+        hist = st.spec_k_histogram
+        tokens = sum(len(t) for t in times.values())
+        return {"tpot_p50_ms": statistics.median(tpots), "output_tok_s": tokens / self.clock,
+                "output_tokens": tokens, "steps": self.eng.num_steps, "engine_seconds": self.clock,
+                "acceptance_rate": st.spec_num_accepted_tokens / st.spec_num_draft_tokens if st.spec_num_draft_tokens else None,
+                "mean_accepted_length": 1 + st.spec_num_accepted_tokens / st.spec_num_drafts if st.spec_num_drafts else None,
+                "speculated_row_share": sum(hist[1:]) / sum(hist) if hist and sum(hist) else None,
+                "k_histogram": list(hist)}
 
 
 def _fmt(v, digits=2) -> str:
