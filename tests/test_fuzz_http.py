@@ -166,6 +166,28 @@ def test_schemathesis_cases_never_5xx(serving):
         run()
 
 
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(temperature=st.floats(allow_nan=True, allow_infinity=True), top_p=st.floats(allow_nan=True, allow_infinity=True),
+       top_k=st.integers(-2**31, 2**31 - 1), max_tokens=st.integers(-2**31, 4), seed=st.integers(0, 2**64 - 1),
+       penalty=st.floats(allow_nan=True, allow_infinity=True), n=st.integers(-2**31, 3),
+       prompt=st.text(st.characters(blacklist_categories=("Cs",)), max_size=20))
+def test_grpc_hostile_sampling_is_ok_or_invalid_argument(serving, temperature, top_p, top_k, max_tokens, seed,
+                                                         penalty, n, prompt):
+    """The public gRPC API: any in-range wire value is answered OK or INVALID_ARGUMENT, never INTERNAL/UNKNOWN."""
+    import grpc
+
+    from proto.pdserve.v1 import api_pb2, api_pb2_grpc
+
+    with grpc.insecure_channel(serving[0].grpc_address) as ch:
+        sampling = api_pb2.SamplingOptions(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                                           seed=seed, presence_penalty=penalty)
+        req = api_pb2.GenerateRequest(prompt=prompt, sampling=sampling, n=n)
+        try:
+            list(api_pb2_grpc.GenerationStub(ch).Generate(req, timeout=60))
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details(), req)
+
+
 def test_nothing_leaks_after_fuzzing(serving):
     """Last in the file: after every fuzz case, no KV block, lease or request is left."""
     from test_serving import assert_idle
