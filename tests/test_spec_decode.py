@@ -340,3 +340,13 @@ def test_cli_flags_make_the_config_or_name_the_bad_flag():
                        ((None, 2, None, 4, 2), "--speculative-method")]:
         with pytest.raises(UserError, match=flag):
             from_flags(*args)
+
+
+def test_rows_whose_first_draft_cannot_pay_are_not_even_proposed():
+    s = make()
+    decoding(s, "a", prompt=[7, 8, 9, 3, 3, 3])
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4, ngram_min=1), max_model_len=1024)
+    spec.time_model = StepTimeModel(prior_a=0.001, prior_b=1.0)  # one more token doubles the step
+    assert spec.drafts(s.running) == {} and spec.proposer.num_tracked == 0
+    spec.time_model = StepTimeModel(prior_a=0.02, prior_b=0.0001)  # drafts nearly free
+    assert spec.drafts(s.running)["a"][:2] == (8, 9)

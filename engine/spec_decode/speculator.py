@@ -74,8 +74,9 @@ class Speculator:
         """Draft tokens for the decode rows of the next step (only rows with k >= 1 appear)."""
         decode = [r for r in running if r.state == RequestState.RUNNING and r.num_uncomputed_tokens == 1]
         self._forget({r.request_id for r in running})
-        eligible = [r for r in decode if can_speculate(r.params)]
-        self._candidates = frozenset(r.request_id for r in eligible)
+        speculable = [r for r in decode if can_speculate(r.params)]
+        self._candidates = frozenset(r.request_id for r in speculable)
+        eligible = self._worth_proposing(speculable, len(decode))
         if not self.proposer.is_free:  # a draft model: choose k first, then run it for that many tokens
             ks = self._choose({r.request_id: self.room(r) for r in eligible}, len(decode))
             drafts = self.proposer.propose_batch(eligible, ks)
@@ -86,6 +87,19 @@ class Speculator:
             return {}
         ks = self._choose({rid: len(p) for rid, p in proposals.items()}, len(decode))
         return {rid: p[:ks[rid]] for rid, p in proposals.items() if ks[rid]}
+
+    def _worth_proposing(self, eligible: list[Request], num_decode_rows: int) -> list[Request]:
+        """Skip the proposer for rows whose first draft choose_k would refuse at this step's
+        S and B: (S + alpha) / t(B + 1) <= (1 + h) S / t(B) (rows that had drafts last step are
+        kept, for the hysteresis). At high load this is every row, and the step costs what a
+        plain decode step costs (no proposing at all). A heuristic prune: choose_k could still
+        have accepted such a row's draft after other rows raised S and B."""
+        if not self.config.adaptive or not eligible:
+            return eligible
+        batch = max(num_decode_rows + self._other_tokens, 1)
+        cost = self.time_model.predict(batch + 1) / self.time_model.predict(batch) - 1
+        floor = ((1 + 0.05) * (1 + cost) - 1) * max(num_decode_rows, 1)
+        return [r for r in eligible if self._rate(r.request_id).value > floor or self.previous_k.get(r.request_id)]
 
     def _choose(self, caps: dict[str, int], num_decode_rows: int) -> dict[str, int]:
         if not self.config.adaptive:
