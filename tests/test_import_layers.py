@@ -100,3 +100,14 @@ def test_layer_rules():
 def test_router_and_protocol_layer_never_import_torch():
     broken = [f"{rel} imports {mod}" for p in NO_TORCH for rel, mod in _imports(p) if mod in TORCH_LIKE]
     assert not broken, broken
+
+
+def test_every_package_is_installed_by_pyproject():
+    """A package missing from [tool.setuptools.packages.find] imports in the repo's tests but not in
+    an installed `pdserve` (the serve subprocess failed on `planner` that way)."""
+    import fnmatch
+    import tomllib
+
+    include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    missing = [p for p in PACKAGES if not any(fnmatch.fnmatch(p, pat) for pat in include)]
+    assert not missing, f"add {missing} to [tool.setuptools.packages.find] include in pyproject.toml"

@@ -45,12 +45,19 @@ if not platform.has_native_fp16():
 def test_serve_bad_runtime_flag_is_one_line_exit_2_before_any_worker(monkeypatch, capsys, args, fragments):
     import ray
 
+    from deploy import cluster
+
+    # Ray may already run in this test session (the serving tests' cluster): what must not happen
+    # is that this command starts or joins one.
+    started = []
+    monkeypatch.setattr(cluster, "init_ray", lambda *a, **k: started.append((a, k)))
+    was_initialized = ray.is_initialized()
     code, err = run_cli(monkeypatch, capsys, "serve", *args)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("pdserve: error:"), err
     for f in fragments:
         assert f in lines[0], lines[0]
-    assert not ray.is_initialized()
+    assert not started and ray.is_initialized() == was_initialized
 
 
 @pytest.mark.parametrize("args, fragments", BAD[:2], ids=["dtype", "threads"])
