@@ -20,8 +20,8 @@ class ConstantPredictor:
 
 
 @dataclass
-class MovingAveragePredictor:
-    """The mean of the last ``window`` values (0 before any)."""
+class _Window:
+    """The last ``window`` values seen."""
 
     window: int = 3
     values: deque = field(default_factory=deque)
@@ -31,22 +31,21 @@ class MovingAveragePredictor:
         while len(self.values) > self.window:
             self.values.popleft()
 
+
+@dataclass
+class MovingAveragePredictor(_Window):
+    """The mean of the last ``window`` values (0 before any)."""
+
     def predict(self) -> float:
         return sum(self.values) / len(self.values) if self.values else 0.0
 
 
 @dataclass
-class LinearTrendPredictor:
+class LinearTrendPredictor(_Window):
     """A least-squares line through the last ``window`` values, extrapolated one interval ahead
     (never below 0): follows a ramp instead of lagging it by an interval."""
 
     window: int = 4
-    values: deque = field(default_factory=deque)
-
-    def add(self, value: float) -> None:
-        self.values.append(float(value))
-        while len(self.values) > self.window:
-            self.values.popleft()
 
     def predict(self) -> float:
         n = len(self.values)

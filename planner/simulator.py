@@ -25,6 +25,7 @@ O(events × batch), independent of how many decode steps run.
 from __future__ import annotations
 
 import bisect
+from collections import deque
 import dataclasses
 import heapq
 import math
@@ -158,7 +159,7 @@ class Simulation:
         self.decode = [_DecodeWorker() for _ in range(config.num_decode)]
         self.events: list[tuple[float, int, str, tuple]] = []
         self._seq = 0
-        self.decode_queue: list[_Req] = []
+        self.decode_queue: deque[_Req] = deque()
         self.done: list[_Req] = []
         self.timeline: list[dict] = []
         self.arrivals: list[float] = []   # arrival times seen so far (ascending)
@@ -270,9 +271,8 @@ class Simulation:
             r = w.running.pop(rid)
             r.done_s = now
             self.done.append(r)
-        while self.decode_queue and len(w.running) < self.config.max_batch and not w.draining:
-            r = self.decode_queue.pop(0)
-            w.running[r.rid] = r
+        if not w.draining:
+            self._take_queued(w)
         if w.draining and not w.running and w in self.decode:
             self.decode.remove(w)
         self._reschedule(w, now)
@@ -285,10 +285,14 @@ class Simulation:
         if not self.decode_queue or len(w.running) >= self.config.max_batch:
             return
         self._advance(w, now)
-        while self.decode_queue and len(w.running) < self.config.max_batch:
-            r = self.decode_queue.pop(0)
-            w.running[r.rid] = r
+        self._take_queued(w)
         self._reschedule(w, now)
+
+    def _take_queued(self, w: _DecodeWorker) -> None:
+        """Admit waiting requests, oldest first, while ``w`` has room in its batch."""
+        while self.decode_queue and len(w.running) < self.config.max_batch:
+            r = self.decode_queue.popleft()
+            w.running[r.rid] = r
 
     # -- the planner -----------------------------------------------------------------------------
     def _on_tick(self, now: float, since: float) -> None:
