@@ -58,7 +58,10 @@ eval_app.command("ppl")(eval_perplexity.command)
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; every way it can fail on the user's input ends in one stderr line and a status."""
     try:
-        app(args=argv, prog_name="pdserve", standalone_mode=False)
+        # standalone_mode=False makes click *return* typer.Exit's code instead of raising it.
+        status = app(args=argv, prog_name="pdserve", standalone_mode=False)
+        if isinstance(status, int) and status != 0:
+            sys.exit(status)
     except (UserError, InvalidRequest) as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         sys.exit(2)

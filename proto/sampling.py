@@ -10,6 +10,7 @@ the router and the workers both run before any engine work.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -80,6 +81,12 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the first bad field."""
+        # NaN passes every comparison-based range check below ("nan < 0" is False), so the
+        # float fields are checked for finiteness first, whichever front end built the params.
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise InvalidRequest(name, f"must be a finite number, got {value!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequest("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if self.temperature < 0:

@@ -121,3 +121,17 @@ def test_serve_flags_reach_the_worker_and_router_configs(monkeypatch, tmp_path):
     assert (service.served_model_name, service.chat_template, service.request_timeout_s) == (
         "smol", str(template), 5.0)
     assert router.worker_rpc_timeout_s == 1.5
+
+
+def test_a_command_that_exits_with_a_status_keeps_it(capsys, monkeypatch):
+    """click *returns* typer.Exit's code under standalone_mode=False; main must still exit with it."""
+    import typer
+
+    def fails():
+        raise typer.Exit(3)
+
+    monkeypatch.setattr(cli, "app", typer.Typer())
+    cli.app.command("fails")(fails)
+    cli.app.command("other")(lambda: None)  # two commands, so "fails" is a sub-command
+    code, _ = _run(["fails"], capsys)
+    assert code == 3

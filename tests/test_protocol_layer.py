@@ -41,6 +41,10 @@ def test_importing_the_protocol_layer_and_the_router_does_not_import_torch():
     (dict(stop=tuple(str(i) for i in range(17))), "stop"),
     (dict(stop=("",)), "stop"),
     (dict(stop=("x" * 257,)), "stop"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(frequency_penalty=float("nan")), "frequency_penalty"),
 ])
 def test_bad_sampling_names_the_field(kwargs, field):
     with pytest.raises(InvalidRequest) as e:
