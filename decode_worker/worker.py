@@ -2,8 +2,9 @@
 
 Lifecycle of one disaggregated request on this worker:
   1. Reserve: check the request, allocate blocks for its prompt (state WAITING_FOR_REMOTE_KV,
-     no compute) under a reservation lease; return the typed destination (our transport metadata
-     and the block ids). Blocks that do not fit: RESOURCE_EXHAUSTED, nothing held.
+     no compute; the prompt's longest prefix in our prefix cache reuses its cached blocks) under a
+     reservation lease; return the typed destination (our transport metadata, the block ids, and
+     how many leading blocks are cached here, which the prefill worker does not write). Blocks that do not fit: RESOURCE_EXHAUSTED, nothing held.
   2. (the prefill worker writes the prompt's KV into those blocks, layer by layer; the router
      calls Decode only after the prefill worker's transport confirmed every write landed)
   3. Decode(first_token): take the lease, admit the request into the running batch with its
@@ -57,12 +58,14 @@ class DecodeWorker(WorkerCore):
                       lease_s: float) -> worker_pb2.ReserveResponse:
         params = self.check(prompt_ids, wire)
         try:
-            blocks = await self.engine.reserve_remote(request_id, prompt_ids, params)
+            reservation = await self.engine.reserve_remote(request_id, prompt_ids, params)
         except Exception as e:  # does not fit (no side effects, per the engine contract)
             raise WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot reserve KV blocks: {e}") from None
+        blocks = reservation.block_ids
         self.reservations.hold(request_id, blocks, lease_s or None)
+        # the prompt's prefix this worker caches is not sent again: the prefill worker writes only the rest
         dest = worker_pb2.KVDestination(worker_id=self.config.worker_id, kv_metadata=self.kv_metadata,
-                                        block_ids=blocks)
+                                        block_ids=blocks, num_cached_blocks=reservation.num_cached_blocks)
         return worker_pb2.ReserveResponse(destination=dest, lease_expires_unix=time.time() + (lease_s or 30.0))
 
     async def decode(self, request_id: str, first_token_id: int) -> AsyncIterator[worker_pb2.TokenChunk]:

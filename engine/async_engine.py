@@ -18,7 +18,7 @@ from typing import AsyncIterator, Callable, Sequence
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.llm_engine import LayerHook, LLMEngine
-from engine.outputs import EngineStats, RequestOutput
+from engine.outputs import EngineStats, RemoteReservation, RequestOutput
 from proto.sampling import SamplingParams
 
 _IDLE_POLL_S = 0.02  # re-check when work exists but nothing could be scheduled (e.g. held KV)
@@ -57,9 +57,10 @@ class AsyncEngine:
             async for out in outputs:
                 yield out
 
-    async def reserve_remote(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
-        """Decode side: allocate blocks for the prompt's incoming KV (no compute). Returns their
-        ids. Raises CapacityError (nothing reserved) if they do not fit, InvalidRequest, KeyError."""
+    async def reserve_remote(self, request_id: str, prompt_token_ids: list[int],
+                             params: SamplingParams) -> RemoteReservation:
+        """Decode side: allocate blocks for the prompt's incoming KV (no compute; a cached prefix
+        is reused, see RemoteReservation). Raises CapacityError (nothing reserved) if they do not fit, InvalidRequest, KeyError."""
         self._check_alive()
         return await self._call(self.engine.reserve_remote, request_id, prompt_token_ids, params)
 

@@ -25,7 +25,7 @@ from engine.batch import SeqChunk
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import UserError
-from engine.outputs import ChunkInfo, EngineStats, RequestOutput, RequestTimes, Usage
+from engine.outputs import ChunkInfo, EngineStats, RemoteReservation, RequestOutput, RequestTimes, Usage
 from engine.plan import SchedulePlan, StepResult
 from engine.request import Request, RequestState
 from engine.scheduler import Scheduler
@@ -176,11 +176,14 @@ class LLMEngine:
     def release_kv(self, request_id: str) -> None:
         self.scheduler.release_kv(request_id)
 
-    def reserve_remote(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
-        """Decode side: blocks for the prompt's KV (written from outside); state WAITING_FOR_REMOTE_KV.
+    def reserve_remote(self, request_id: str, prompt_token_ids: Sequence[int],
+                       params: SamplingParams) -> RemoteReservation:
+        """Decode side: blocks for the prompt's KV (written from outside, except the blocks of its
+        cached prefix); state WAITING_FOR_REMOTE_KV.
         Raises CapacityError / InvalidRequest / KeyError with nothing changed."""
         req = Request(request_id, self._prompt_ids(prompt_token_ids), params)
-        return self.scheduler.add_remote(req)
+        blocks = self.scheduler.add_remote(req)
+        return RemoteReservation(blocks, req.num_cached_tokens // self.block_manager.block_size)
 
     def start_remote(self, request_id: str, first_token_id: int) -> list[RequestOutput]:
         """The prompt's KV landed: decode on from ``first_token_id`` (not re-emitted). Returns a

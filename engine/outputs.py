@@ -49,6 +49,19 @@ class RequestOutput:
 
 
 @dataclass(frozen=True)
+class RemoteReservation:
+    """A decode side's blocks for a prompt whose KV comes from outside.
+
+    block_ids: destination block i receives the prompt's logical block i.
+    num_cached_blocks: the first n of them already hold the prompt's KV (this engine's prefix
+        cache): the sender writes only the rest (shared blocks: writing them would be a race).
+    """
+
+    block_ids: list[int]
+    num_cached_blocks: int = 0
+
+
+@dataclass(frozen=True)
 class ChunkInfo:
     """One chunk of a forward, as the layer hook sees it (layer-wise KV streaming).
 

@@ -136,16 +136,22 @@ class Scheduler:
 
     def add_remote(self, req: Request) -> list[int]:
         """Decode side: allocate blocks for the whole prompt now; the KV will be written from
-        outside. Returns the block ids. Raises CapacityError (nothing changed) if they do not fit."""
+        outside. Returns the block ids (logical block i of the prompt in block i). The prompt's
+        longest cached prefix is taken from the prefix cache: its ``req.num_cached_tokens``
+        tokens' blocks already hold their KV and must not be written (the sender skips them).
+        Raises CapacityError (nothing changed) if they do not fit."""
         if self._static is not None:
             raise ValueError("remote KV needs continuous batching")
         if req.request_id in self.requests:
             raise KeyError(f"request id {req.request_id!r} is already in use")
         self.validate(req.num_prompt_tokens, req.params.max_tokens)
-        blocks = self.bm.allocate(req.request_id, req.num_prompt_tokens, use_watermark=True)
+        prefix = self.bm.find_cached_prefix(req.prompt_token_ids)
+        blocks = self.bm.allocate(req.request_id, req.num_prompt_tokens, prefix, use_watermark=True)
         if blocks is None:
             raise CapacityError(f"{cdiv(req.num_prompt_tokens, self.bm.block_size)} KV blocks needed, "
                                 f"{self.bm.num_free_blocks} free; retry later")
+        self.bm.note_prefix_query(req.num_prompt_tokens)
+        req.num_cached_tokens = prefix.num_tokens
         req.state = RequestState.WAITING_FOR_REMOTE_KV
         req.block_ids = self.bm.block_table(req.request_id)
         self.requests[req.request_id] = req

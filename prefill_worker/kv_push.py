@@ -7,6 +7,8 @@ layers' compute (as in Splitwise / DistServe's layer-wise transmission). Logical
 prompt goes to destination block i; a chunk starting at position p touches logical blocks from
 p // block_size on. Blocks the engine did not compute (prefix-cache hits) are sent, all layers at
 once, by `finish`, which then waits until the transport confirms every write landed.
+The destination's first `skip_blocks` blocks already hold the prompt's KV (the decode worker's
+own prefix cache): they are never written, so only the blocks the decode worker lacks travel.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class TransferFailed(RuntimeError):
 class _Push:
     peer: str
     dst_blocks: list[int]
+    skip: int = 0  # leading logical blocks the destination already caches: not written
     handles: list = field(default_factory=list)
     sent: set[int] = field(default_factory=set)  # logical blocks written for the last layer
     nbytes: int = 0
@@ -47,9 +50,13 @@ class KVPusher:
         self._lock = threading.Lock()
         self.total_bytes = 0
 
-    def begin(self, request_id: str, peer: str, dst_blocks: list[int]) -> None:
+    def begin(self, request_id: str, peer: str, dst_blocks: list[int], skip_blocks: int = 0) -> None:
+        """Start pushing a request into ``dst_blocks``, all but the first ``skip_blocks``.
+        Raises ValueError if skip_blocks is not within 0..len(dst_blocks)."""
+        if not 0 <= skip_blocks <= len(dst_blocks):
+            raise ValueError(f"num_cached_blocks must be within 0..{len(dst_blocks)}, got {skip_blocks}")
         with self._lock:
-            self._pushes[request_id] = _Push(peer, list(dst_blocks))
+            self._pushes[request_id] = _Push(peer, list(dst_blocks), skip_blocks)
 
     def on_layer(self, layer: int, chunks) -> None:
         """Engine hook (forward thread): push this layer's touched blocks of every pushed request."""
@@ -59,13 +66,15 @@ class KVPusher:
                 if push is None or not c.block_ids:
                     continue
                 first = c.start_pos // self.block_size
-                src = list(c.block_ids)
-                dst = push.dst_blocks[first:first + len(src)]
-                if len(dst) != len(src):  # more blocks than reserved: the finish check reports it
+                if first + len(c.block_ids) > len(push.dst_blocks):  # more than reserved: finish reports it
                     continue
-                self._write(push, c.request_id, src, dst, [layer])
+                todo = [i for i in range(first, first + len(c.block_ids)) if i >= push.skip]
+                if not todo:
+                    continue
+                src = [c.block_ids[i - first] for i in todo]
+                self._write(push, c.request_id, src, [push.dst_blocks[i] for i in todo], [layer])
                 if layer == self.num_layers - 1:
-                    push.sent.update(range(first, first + len(src)))
+                    push.sent.update(todo)
 
     async def finish(self, request_id: str, src_blocks: list[int]) -> tuple[int, float]:
         """Send what the layer hook did not, wait for every write; returns (bytes, seconds waited here:
@@ -76,7 +85,7 @@ class KVPusher:
             push = self._pushes[request_id]
             if len(src_blocks) > len(push.dst_blocks):
                 raise TransferFailed(f"{len(src_blocks)} blocks to send, {len(push.dst_blocks)} reserved")
-            missing = [i for i in range(len(src_blocks)) if i not in push.sent]
+            missing = [i for i in range(push.skip, len(src_blocks)) if i not in push.sent]
             if missing:
                 self._write(push, request_id, [src_blocks[i] for i in missing], [push.dst_blocks[i] for i in missing],
                             list(range(self.num_layers)))

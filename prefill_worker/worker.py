@@ -56,8 +56,12 @@ class PrefillWorker(WorkerCore):
         rid, ids = req.request_id, list(req.prompt_token_ids)
         params = self.check(ids, req.sampling)
         first_params = self.check(ids, req.sampling, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-        peer = self._peer(req.destination.kv_metadata)
-        self.pusher.begin(rid, peer, list(req.destination.block_ids))
+        dest = req.destination
+        if not 0 <= dest.num_cached_blocks <= len(dest.block_ids):
+            raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, f"destination.num_cached_blocks must be within "
+                                                                f"0..{len(dest.block_ids)}, got {dest.num_cached_blocks}")
+        peer = self._peer(dest.kv_metadata)
+        self.pusher.begin(rid, peer, list(dest.block_ids), dest.num_cached_blocks)
         done = False
         try:
             final = None

@@ -166,7 +166,7 @@ def test_hold_kv_and_remote_generation_async(runner, tokenizer):
         outs = [o async for o in eng.generate(p, SamplingParams(temperature=0, max_tokens=1), "pre", hold_kv=True)]
         held = outs[-1].kv_block_ids
         assert held and eng.stats().held_kv == 1 and eng.stats().kv_blocks_used >= len(held)
-        dst = await eng.reserve_remote("dec", p, params)
+        dst = (await eng.reserve_remote("dec", p, params)).block_ids
         cache = runner.kv_cache.data
         cache[:, :, dst] = cache[:, :, held]
         await eng.release_kv("pre")

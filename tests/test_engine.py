@@ -129,7 +129,7 @@ def test_hold_kv_then_remote_decode_continues_the_sequence(runner, tokenizer, pr
     final = outs[-1]
     assert final.finished and final.finish_reason == "length" and final.kv_block_ids
     assert eng.stats().held_kv == 1
-    dst = eng.reserve_remote("d", prompt, GREEDY)
+    dst = eng.reserve_remote("d", prompt, GREEDY).block_ids
     assert len(dst) == len(final.kv_block_ids)
     cache = runner.kv_cache.data
     cache[:, :, dst] = cache[:, :, final.kv_block_ids]
@@ -194,7 +194,7 @@ def test_seeded_remote_decode_draws_what_one_engine_draws(runner, tokenizer, pro
     while eng.has_unfinished():
         outs += eng.step()
     held = outs[-1].kv_block_ids
-    dst = eng.reserve_remote("d", prompt, params)
+    dst = eng.reserve_remote("d", prompt, params).block_ids
     cache = runner.kv_cache.data
     cache[:, :, dst] = cache[:, :, held]
     eng.release_kv("p")

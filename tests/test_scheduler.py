@@ -157,6 +157,22 @@ def test_remote_reservation_then_decode():
     assert not s.has_work() and s.bm.num_used_blocks == 0
 
 
+def test_remote_reservation_reuses_the_cached_prefix():
+    """A decode worker that caches part of the prompt reserves those blocks shared (they are not
+    written again) and new blocks only for the rest; the last token's block is always new."""
+    s = make(num_blocks=8, block_size=4)
+    s.add_remote(req("a", 9))
+    s.remote_kv_ready("a", 42)  # its 2 full blocks enter the prefix cache
+    shared = s.bm.block_table("a")[:2]
+    blocks = s.add_remote(req("b", 10))  # the same first 9 tokens, one more
+    b = s.requests["b"]
+    assert blocks[:2] == shared and b.num_cached_tokens == 8 and len(blocks) == 3
+    assert s.bm.blocks[shared[0]].ref_count == 2
+    s.abort("a")
+    s.abort("b")
+    assert s.bm.num_used_blocks == 0 and s.bm.num_cached_blocks == 2
+
+
 def test_remote_abort_while_waiting_for_kv():
     s = make()
     s.add_remote(req("d", 9))

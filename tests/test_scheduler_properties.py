@@ -61,7 +61,9 @@ class Sim:
             try:
                 r = self.new_request(x)
                 s.add_remote(r)
-                for p in range(r.num_prompt_tokens):  # the KV "lands"
+                for p in range(r.num_cached_tokens):  # a cached prefix already holds its KV: not sent
+                    assert self.slots[r.block_ids[p // BS] * BS + p % BS] == r.all_token_ids[p]
+                for p in range(r.num_cached_tokens, r.num_prompt_tokens):  # the rest "lands"
                     self.write(r, p)
             except CapacityError:
                 pass

@@ -350,3 +350,51 @@ def test_short_prompts_are_prefilled_on_the_decode_worker(serving):
         model=MODEL, prompt=prompt, sampling=api_pb2.SamplingOptions(temperature=0, max_tokens=12))))
     assert prefill_calls == 0 and local_text == disagg_text and local_text
     assert_idle(serving)
+
+
+
+def test_decode_worker_that_caches_the_prefix_receives_only_the_uncached_blocks(serving):
+    """Disaggregated, the decode worker's own prefix cache supplies the blocks it already has:
+    Reserve says how many, the prefill worker writes only the rest (bytes exactly those blocks'),
+    and the greedy text is the one the full transfer gave."""
+    from router.app import Router, RouterConfig
+    from router.registry import CallableRegistry
+
+    # ignore_eos: a first token that ends the request frees the decode side's reservation unused
+    stem = "Background: " + " ".join(f"item {i} is {i * 7 % 13}." for i in range(40))  # new to the workers
+    bs = 16  # ClusterSpec's block size
+
+    async def run() -> list[tuple[str, int, int, int]]:
+        router = Router(CallableRegistry(serving.controller.list_workers),
+                        RouterConfig(port=0, http_port=None, mode="disagg"))
+        ep = await router.start()
+        seen: list[tuple[int, int, int]] = []
+        orig = router.orchestrator._prefill_with_retry
+
+        async def capture(legs, prompt_ids, sampling, dest, deadline):
+            p, first = await orig(legs, prompt_ids, sampling, dest, deadline)
+            seen.append((len(prompt_ids), dest.num_cached_blocks, first.kv_bytes))
+            return p, first
+
+        router.orchestrator._prefill_with_retry = capture
+        out = []
+        try:
+            async with grpc.aio.insecure_channel(ep.grpc) as ch:
+                stub = api_pb2_grpc.GenerationStub(ch)
+                for question in ("Which item is 5?", "Which item is 3?", "Which item is 5?"):
+                    req = api_pb2.GenerateRequest(model=MODEL, prompt=f"{stem}\n{question}",
+                                                  sampling=api_pb2.SamplingOptions(temperature=0, max_tokens=6,
+                                                                                   ignore_eos=True))
+                    text = "".join([m.text async for m in stub.Generate(req, timeout=60)])
+                    out.append((text, *seen[-1]))
+            return out
+        finally:
+            await router.stop()
+
+    (t1, n1, c1, b1), (_, n2, c2, b2), (t3, n3, c3, b3) = serving.call(run(), 180)
+    per_block = b1 // -(-n1 // bs)
+    assert c1 == 0 and b1 == -(-n1 // bs) * per_block  # the stem was new: every block travelled
+    assert 0 < c2 <= (n2 - 1) // bs and b2 == (-(-n2 // bs) - c2) * per_block  # the stem's blocks did not
+    assert c3 == (n3 - 1) // bs and b3 == (-(-n3 // bs) - c3) * per_block  # only the last token's block
+    assert t3 == t1 and t1
+    assert_idle(serving)

@@ -1,6 +1,7 @@
 """Layer-wise KV push (prefill_worker/kv_push.py) over the real in-process `local` transport:
 logical block i of the prompt lands in destination block i, chunk by chunk and layer by layer,
-and blocks the engine never computed (prefix-cache hits) are sent by finish(). No model."""
+blocks the engine never computed (prefix-cache hits) are sent by finish(), and the blocks the
+destination already caches are never written. No model."""
 
 from __future__ import annotations
 
@@ -61,4 +62,25 @@ def test_cancel_forgets_the_push():
     pusher.begin("r3", peer, [0, 1])
     pusher.on_layer(0, [ChunkInfo("r3", (4,), 0, 4, False)])
     asyncio.run(pusher.cancel("r3"))
+    assert pusher.active() == 0
+
+
+def test_blocks_the_destination_caches_are_never_written():
+    src, dst, pusher, peer = _pair()
+    src_blocks, dst_blocks = [3, 7, 1, 9], [20, 21, 22, 23]
+    pusher.begin("r4", peer, dst_blocks, skip_blocks=2)  # the decode worker caches blocks 0 and 1
+    # the prefill engine itself hit block 0 in its cache; it computes positions 4..13
+    for layer in range(SPEC["num_layers"]):
+        pusher.on_layer(layer, [ChunkInfo("r4", (7, 1, 9), 4, 10, True)])
+    nbytes, _ = asyncio.run(pusher.finish("r4", src_blocks))
+    assert nbytes == 2 * SPEC["num_layers"] * 2 * src.spec.block_bytes  # two blocks, every layer
+    for s, d in zip(src_blocks[2:], dst_blocks[2:]):
+        assert torch.equal(src.data[:, :, s], dst.data[:, :, d])
+    assert torch.count_nonzero(dst.data[:, :, dst_blocks[:2]]) == 0
+
+
+def test_cached_blocks_beyond_the_reservation_are_refused():
+    _, _, pusher, peer = _pair()
+    with pytest.raises(ValueError, match="num_cached_blocks"):
+        pusher.begin("r5", peer, [0, 1], skip_blocks=3)
     assert pusher.active() == 0

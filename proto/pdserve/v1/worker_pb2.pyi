@@ -78,14 +78,16 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingOptions, _Mapping]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("worker_id", "kv_metadata", "block_ids")
+    __slots__ = ("worker_id", "kv_metadata", "block_ids", "num_cached_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_METADATA_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     kv_metadata: bytes
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., kv_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_cached_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., kv_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("destination", "lease_expires_unix")
