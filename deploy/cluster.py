@@ -59,6 +59,7 @@ class ClusterSpec:
     block_size: int = 16
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    batching: str = "continuous"        # every worker alike (engine/config.py SchedulerConfig.batching)
     served_model_name: str | None = None
     transfer_timeout_s: float = 30.0        # a KV push not confirmed by then fails (the router retries once)
     worker_start_timeout_s: float = 300.0   # every worker loaded and serving, or `serve` fails
@@ -82,7 +83,7 @@ class ClusterSpec:
                             max_num_batched_tokens=self.max_num_batched_tokens, num_threads=self.threads_per_worker,
                             device="cuda" if self.num_gpus_per_worker > 0 else "cpu", host=self.host,
                             block_size=self.block_size, max_model_len=self.max_model_len,
-                            enable_prefix_caching=self.enable_prefix_caching,
+                            enable_prefix_caching=self.enable_prefix_caching, batching=self.batching,
                             served_model_name=self.served_model_name, transfer_timeout_s=self.transfer_timeout_s,
                             kv_cache_memory_bytes=self.kv_cache_memory_bytes, dtype=self.dtype,
                             quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
@@ -206,7 +207,7 @@ class ClusterController:
         return self._actor_cls.options(
             name=f"pdserve-{c.worker_id}-{os.getpid()}", num_cpus=self.spec.num_cpus_per_worker,
             num_gpus=self.spec.num_gpus_per_worker, resources=self.spec.role_resources(c.role),
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(c.num_threads)}}).remote(
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(c.num_threads), **_debug_env()}}).remote(
                 c, self.spec.registry_url, self.spec.registry_ttl_s)
 
     async def start(self, timeout_s: float | None = None) -> None:
@@ -367,6 +368,12 @@ class ClusterController:
             log.warning("workers did not stop in 30 s; killing them")
         for a in self._actors.values():
             ray.kill(a, no_restart=True)
+
+
+def _debug_env() -> dict[str, str]:
+    """The driver's PDSERVE_DEBUG_* variables (debug hooks such as a corrupted FP8 scale), for the
+    actors: a joined Ray cluster's workers do not inherit the driver's environment."""
+    return {k: v for k, v in os.environ.items() if k.startswith("PDSERVE_DEBUG_")}
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:

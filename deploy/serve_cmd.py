@@ -66,6 +66,10 @@ def command(
     enable_prefix_caching: bool = typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching",
                                                help="Reuse the KV blocks of a shared prompt prefix.",
                                                rich_help_panel=SCHED),
+    batching: str = typer.Option("continuous", help="continuous (iteration-level, Orca/vLLM) | static (HF generate "
+                                 "style: lockstep batches padded to the longest prompt, KV reserved for the whole "
+                                 "rectangle; for comparison, e.g. `pdserve bench ablate`'s baseline; agg mode, no "
+                                 "speculative decoding).", rich_help_panel=SCHED),
     host: str = typer.Option("127.0.0.1", help="Address every server binds to.", rich_help_panel=NET),
     port: int = typer.Option(50051, help="gRPC port of the router.", rich_help_panel=NET),
     http_port: int = typer.Option(8000, help="OpenAI-compatible HTTP port (-1: off).", rich_help_panel=NET),
@@ -156,6 +160,7 @@ def command(
                              spec_ngram_min, speculative_quantization)
     if mode not in ("disagg", "agg"):
         raise UserError(f"--mode must be disagg or agg, got {mode!r}")
+    check_batching(batching, mode, speculative)
     if kv_transport not in ("nixl", "torch", "tcp"):
         raise UserError(f"--kv-transport must be nixl, torch or tcp, got {kv_transport!r}")
     if mode == "disagg" and prefill < 1:
@@ -178,7 +183,8 @@ def command(
                        metrics_port=None if metrics_port < 0 else metrics_port,
                        num_gpus_per_worker=num_gpus_per_worker, num_cpus_per_worker=num_cpus_per_worker,
                        block_size=block_size, max_model_len=max_model_len,
-                       enable_prefix_caching=enable_prefix_caching, served_model_name=served_model_name,
+                       enable_prefix_caching=enable_prefix_caching, batching=batching,
+                       served_model_name=served_model_name,
                        transfer_timeout_s=transfer_timeout, worker_start_timeout_s=worker_start_timeout,
                        prefill_resources=parse_resources(prefill_resources, "--prefill-resources"),
                        decode_resources=parse_resources(decode_resources, "--decode-resources"),
@@ -203,6 +209,17 @@ def _model(positional: str | None, option: str | None) -> str:
     if positional and option and positional != option:
         raise UserError(f"MODEL {positional!r} and --model {option!r} differ; give one")
     return positional or option or DEFAULT_MODEL
+
+
+def check_batching(batching: str, mode: str, speculative) -> None:
+    """--batching: continuous | static; static batching is an agg-mode, non-speculative policy
+    (engine/static_batching.py admits from the waiting queue only, never remote KV)."""
+    if batching not in ("continuous", "static"):
+        raise UserError(f"--batching must be continuous or static, got {batching!r}")
+    if batching == "static" and mode != "agg":
+        raise UserError("--batching static: only with --mode agg (a decode worker admits remote KV continuously)")
+    if batching == "static" and speculative is not None:
+        raise UserError("--batching static: speculative decoding needs continuous batching (drop --speculative-method)")
 
 
 def _check_readable(path: Path | None, flag: str) -> None:

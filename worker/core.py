@@ -67,6 +67,7 @@ class WorkerConfig:
     transfer_timeout_s: float = 30.0
     max_model_len: int | None = None       # None = the model's context length; never above it
     enable_prefix_caching: bool = True
+    batching: str = "continuous"           # --batching: continuous | static (HF generate style, for comparison)
     served_model_name: str | None = None   # the model id reported to the router (None = `model`)
     speculative: SpeculativeConfig | None = None  # decode and agg engines speculate; in the compat key for all
 

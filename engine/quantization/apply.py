@@ -11,11 +11,25 @@ embedding lookup keeps its own table.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
 from engine.quantization import check_quantization
-from kernels.linear import DenseLinear, Fp8Linear, Int8Linear
+from kernels.linear import DenseLinear, Fp8Linear, Int8Linear, quantize_fp8_per_channel
+
+DEBUG_SCALE_FACTOR_ENV = "PDSERVE_DEBUG_FP8_SCALE_FACTOR"
+"""Debug hook (never set in serving): with ``fp8``, every weight is quantized with its correct
+per-channel scale, then served with that scale times this factor: a deliberately broken
+quantization, so quality gates (``pdserve bench ablate``) can be shown to catch one. Workers of
+`pdserve serve` inherit it (deploy/cluster.py forwards PDSERVE_DEBUG_* to the Ray actors)."""
+
+
+def debug_scale_factor() -> float | None:
+    """The factor of DEBUG_SCALE_FACTOR_ENV, or None when unset; ValueError if not a number."""
+    value = os.environ.get(DEBUG_SCALE_FACTOR_ENV)
+    return None if not value else float(value)
 
 
 def apply_quantization(model: nn.Module, method: str, weight_scales: dict[str, torch.Tensor] | None = None) -> int:
@@ -25,17 +39,34 @@ def apply_quantization(model: nn.Module, method: str, weight_scales: dict[str, t
     (``model.layers.0.self_attn.q_proj``); only used with ``method="fp8"``.
     """
     check_quantization(method)
+    compute_dtype = None
+    if method == "fp8" and (factor := debug_scale_factor()) is not None:
+        compute_dtype = model.model.embed_tokens.weight.dtype   # the weights become E4M3 below
+        weight_scales = _corrupted_fp8_scales(model, factor)
     replaced = 0
     for name, parent in list(model.named_modules()):
         if not name.startswith("model.layers."):
             continue
         for child_name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, child_name, make_linear(child, method, (weight_scales or {}).get(f"{name}.{child_name}")))
+                setattr(parent, child_name, make_linear(child, method, (weight_scales or {}).get(f"{name}.{child_name}"),
+                                                              compute_dtype))
                 replaced += 1
     head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.head_method = Int8Linear(head.detach(), None) if method == "int8" else DenseLinear(head.detach(), None)
     return replaced
+
+
+def _corrupted_fp8_scales(model: nn.Module, factor: float) -> dict[str, torch.Tensor]:
+    """Quantize every decoder linear to E4M3 in place (weight becomes float8_e4m3fn) and return its
+    scale times ``factor``, by module name: what a checkpoint with a wrong ``weight_scale`` holds."""
+    scales = {}
+    for name, module in model.named_modules():
+        if name.startswith("model.layers.") and type(module) is nn.Linear:
+            q, scale = quantize_fp8_per_channel(module.weight.detach())
+            module.weight = nn.Parameter(q, requires_grad=False)
+            scales[name] = scale * factor
+    return scales
 
 
 def make_linear(linear: nn.Linear, method: str, weight_scale: torch.Tensor | None = None,
