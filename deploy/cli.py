@@ -12,6 +12,7 @@ import sys
 import typer
 from typer.exceptions import TyperException
 
+from bench import ablate as bench_ablate
 from bench import attention as bench_attention
 from bench import compare as bench_compare
 from bench import engine as bench_engine
@@ -52,6 +53,7 @@ bench_app.command("compare")(bench_compare.command)
 bench_app.command("peers")(bench_peers.command)
 bench_app.command("gpu-check")(bench_gpu_check.command)
 bench_app.command("spec")(bench_spec.command)
+bench_app.command("ablate")(bench_ablate.command)
 eval_app.command("ppl")(eval_perplexity.command)
 
 

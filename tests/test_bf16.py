@@ -21,11 +21,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from evals.greedy import NEAR_TIE_NATS
 from tests.conftest import sharegpt_prompts
 
 pytestmark = pytest.mark.model
 
-NEAR_TIE_NATS = 0.5
 LOGPROB_TOL = 0.5
 MEAN_LOGPROB_TOL = 0.08
 N_PROMPTS = 4
