@@ -146,7 +146,7 @@ def replay(prof, rates, isl, osl, ttft_slo, itl_slo, attainment, sim, predictor,
         raise UserError(f"no fixed fleet meets the SLO at the peak rate {peak_rate:g}: {peak['reason']}")
     fixed = Simulation(prof, dataclasses.replace(sim, num_prefill=peak["prefill"], num_decode=peak["decode"])).run(reqs)
     cfg = PlannerConfig(ttft_slo_ms=ttft_slo, itl_slo_ms=itl_slo, interval_s=sim.interval_s, predictor=predictor,
-                        **bounds)
+                        startup_s=sim.startup_s, **bounds)
     planner = SlaPlanner(cfg, prof)
     start = dataclasses.replace(sim, num_prefill=max(1, bounds["min_prefill"]), num_decode=bounds["min_decode"])
     planned = Simulation(prof, start, planner).run(reqs)

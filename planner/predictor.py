@@ -1,4 +1,5 @@
-"""Load predictors for the SLA planner: the next interval's value from the last ones. Pure."""
+"""Load predictors for the SLA planner: a value ``ahead`` intervals past the last one seen (1 =
+the next interval's), from the last ones. Pure."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ class ConstantPredictor:
     def add(self, value: float) -> None:
         self.last = float(value)
 
-    def predict(self) -> float:
+    def predict(self, ahead: float = 1.0) -> float:
         return self.last
 
 
@@ -36,25 +37,25 @@ class _Window:
 class MovingAveragePredictor(_Window):
     """The mean of the last ``window`` values (0 before any)."""
 
-    def predict(self) -> float:
+    def predict(self, ahead: float = 1.0) -> float:
         return sum(self.values) / len(self.values) if self.values else 0.0
 
 
 @dataclass
 class LinearTrendPredictor(_Window):
-    """A least-squares line through the last ``window`` values, extrapolated one interval ahead
-    (never below 0): follows a ramp instead of lagging it by an interval."""
+    """A least-squares line through the last ``window`` values, extrapolated ``ahead`` intervals
+    past the last one (never below 0): follows a ramp instead of lagging it."""
 
     window: int = 4
 
-    def predict(self) -> float:
+    def predict(self, ahead: float = 1.0) -> float:
         n = len(self.values)
         if n < 2:
             return self.values[0] if n else 0.0
         xs = range(n)
         mx, my = (n - 1) / 2, sum(self.values) / n
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, self.values)) / sum((x - mx) ** 2 for x in xs)
-        return max(0.0, my + slope * (n - mx))
+        return max(0.0, my + slope * (n - 1 + ahead - mx))
 
 
 PREDICTORS = {"constant": ConstantPredictor, "moving-average": MovingAveragePredictor,

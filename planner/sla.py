@@ -15,7 +15,17 @@ Two loops, after NVIDIA Dynamo's SLA planner:
        decode   = ceil(rate × OSL / best profiled decode tokens/s per worker whose ITL meets
                        u × ITL_SLO / d_corr at context ISL + OSL / 2)
 
-    with ``u`` the planned utilization (1 = Dynamo's formulas exactly).
+    with ``u`` the planned utilization (1 = Dynamo's formulas exactly): ``prefill_sizing =
+    "throughput"``. The default, ``"queueing"``, sizes the prefill pool by the wait its TTFT SLO
+    allows instead of a fixed ``u``: the fewest workers whose Erlang-C waiting time stays within
+    ``TTFT_SLO - profiled TTFT(ISL)`` for all but ``ttft_tail`` of the requests at the offered
+    load ``rate × ISL × min(1, p_corr) / tokens/s per worker`` (planner/queueing.py). A fixed
+    ``u`` = 0.85 wastes a worker in seven on a large pool, whose Poisson bursts are relatively
+    small, and is too little on a small one.
+
+   The rate sized for is the larger of the next interval's prediction and the prediction
+   ``1 + startup_s / interval_s`` intervals ahead: a replica asked for now is ready only after
+   ``startup_s``, and must carry the load until the next decision's replicas are ready.
 
 2. **Load loop** (fast, up only). Decode KV-cache usage and prefill queue depth per worker
    against high water marks: one more worker when a mark is crossed for ``patience`` samples in
@@ -26,20 +36,35 @@ Two loops, after NVIDIA Dynamo's SLA planner:
 Targets are absolute replica counts: replicas that are still starting count toward them (the
 actuator adds ``target - (ready + starting)``), so a pending start is never asked for twice and
 the planner keeps deciding while replicas are pending. Scale-down waits for ``patience``
-consecutive intervals below the current size and a cooldown (hysteresis: a noisy constant load
-never flaps). A manual change (``adopt``) becomes the new baseline: the planner holds it for a
+consecutive intervals below the current size and a cooldown, and shrinks only to the size that
+serves the predicted load times (1 + margin) (hysteresis: a noisy constant load never flaps).
+The margin is ``down_margin`` when set; by default it is measured: ``MARGIN_Z`` standard
+deviations of the rate predictor's relative error over its last ``ERROR_WINDOW`` intervals (how
+far the load really strays from what was predicted, noise and lag together), estimated robustly
+as 1.4826 × the median absolute error, so that one surprise (a step in the load) does not hold
+the band open; ``DEFAULT_MARGIN`` until ``MIN_ERRORS`` intervals were seen. A fixed 20% held a worker or two too many through a whole
+smooth descent, and is too little for a load noisier than that. A manual change (``adopt``) becomes the new baseline: the planner holds it for a
 cooldown instead of fighting it.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
+
+from collections import deque
 
 from planner.predictor import make_predictor
 from planner.profile import WorkerProfile
+from planner.queueing import servers_for_wait
 
 MAX_CORRECTION = 2.0
+MARGIN_Z = 2.0          # the measured margin covers about 97.7% of one-sided prediction errors
+ERROR_WINDOW = 8        # intervals of prediction error it is measured over
+MIN_ERRORS = 3          # fewer measured errors: DEFAULT_MARGIN
+DEFAULT_MARGIN = 0.2
+PREFILL_SIZINGS = ("queueing", "throughput")
 
 
 @dataclass(frozen=True)
@@ -47,9 +72,14 @@ class PlannerConfig:
     """SLOs in ms; bounds on each pool; the load loop's water marks (KV usage 0..1, waiting
     prefill requests per prefill worker); cooldowns in seconds; patience in samples/intervals;
     down_margin: a pool shrinks only to the size that would still serve (1 + down_margin) × the
-    predicted load (a dead band between the scale-up and scale-down sizes); utilization: the
-    share of a worker's profiled capacity the sizing plans to use (prefill tokens/s, and the
-    ITL target as a share of the SLO), headroom for bursts within an interval."""
+    predicted load (a dead band between the scale-up and scale-down sizes); None = measured from
+    the predictor's recent errors (see the module doc); utilization: the share of a worker's
+    profiled capacity the sizing plans to use (the ITL target as a share of the SLO; prefill
+    tokens/s too with prefill_sizing "throughput"), headroom for bursts within an interval;
+    prefill_sizing: "queueing" (the TTFT SLO's wait budget, Erlang C) or "throughput"
+    (Dynamo's formula with utilization); ttft_tail: the share of requests whose queueing for a
+    prefill may exceed the wait budget at the predicted rate; startup_s: a new replica's time to
+    ready (seconds), how far ahead the pool is sized."""
 
     ttft_slo_ms: float
     itl_slo_ms: float
@@ -66,8 +96,11 @@ class PlannerConfig:
     patience: int = 2
     cooldown_up_s: float = 30.0
     cooldown_down_s: float = 120.0
-    down_margin: float = 0.2
+    down_margin: float | None = None
     utilization: float = 0.85
+    prefill_sizing: str = "queueing"
+    ttft_tail: float = 0.01
+    startup_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.ttft_slo_ms <= 0 or self.itl_slo_ms <= 0:
@@ -80,6 +113,10 @@ class PlannerConfig:
             raise ValueError("utilization must be in (0, 1]")
         if self.interval_s <= 0 or self.patience < 1:
             raise ValueError("interval_s must be > 0 and patience >= 1")
+        if self.prefill_sizing not in PREFILL_SIZINGS:
+            raise ValueError(f"prefill_sizing must be one of {', '.join(PREFILL_SIZINGS)}, got {self.prefill_sizing!r}")
+        if not 0 < self.ttft_tail < 1 or self.startup_s < 0 or (self.down_margin is not None and self.down_margin < 0):
+            raise ValueError("need 0 < ttft_tail < 1, startup_s >= 0 and down_margin >= 0 (or None)")
 
 
 @dataclass(frozen=True)
@@ -157,18 +194,24 @@ class SlaPlanner:
         self.prefill = _PoolState(c.min_prefill)
         self.decode = _PoolState(c.min_decode)
         self._rate, self._isl, self._osl = (make_predictor(c.predictor) for _ in range(3))
+        self._expected: float | None = None     # the rate predicted for the interval now observed
+        self._errors: deque[float] = deque(maxlen=ERROR_WINDOW)  # its relative errors
 
     # -- the SLA loop ----------------------------------------------------------------------------
     def decide_sla(self, now: float, m: IntervalMetrics) -> Decision:
         """Size both pools for the next interval from this one's metrics."""
         c, prof = self.config, self.profile
+        observed = m.num_requests / m.duration_s
+        if self._expected:
+            self._errors.append((observed - self._expected) / self._expected)
+        self._rate.add(observed)
         if m.num_requests > 0:
-            self._rate.add(m.num_requests / m.duration_s)
             self._isl.add(m.mean_isl)
             self._osl.add(m.mean_osl)
-        else:
-            self._rate.add(0.0)
-        rate, isl, osl = self._rate.predict(), self._isl.predict() or 1.0, self._osl.predict() or 1.0
+        self._expected = self._rate.predict(1.0)
+        rate = max(self._expected, self._rate.predict(1.0 + c.startup_s / c.interval_s))
+        isl, osl = self._isl.predict() or 1.0, self._osl.predict() or 1.0
+        margin = self.margin()
         p_corr = m.ttft_ms / prof.prefill_ttft_ms(isl) if m.ttft_ms else 1.0
         d_corr = 1.0
         if m.itl_ms and m.decode_batch:
@@ -176,10 +219,8 @@ class SlaPlanner:
         # One interval's queueing (a burst handed over by a prefill pool that just grew) can
         # inflate the observed ITL many-fold; clamped, a correction moves a pool by at most 2x.
         d_corr = min(MAX_CORRECTION, max(1 / MAX_CORRECTION, d_corr))
-        prefill_tps = rate * isl * min(1.0, p_corr)
-        per_prefill = prof.prefill_tokens_per_s(isl) * c.utilization
-        want_p = math.ceil(prefill_tps / per_prefill)
-        keep_p = math.ceil(prefill_tps * (1 + c.down_margin) / per_prefill)
+        want_p = self._prefill_workers(rate * isl * min(1.0, p_corr), isl)
+        keep_p = self._prefill_workers(rate * isl * min(1.0, p_corr) * (1 + margin), isl)
         itl_target = c.itl_slo_ms * c.utilization
         per_decode = prof.best_decode_tokens_per_s(itl_target / d_corr, isl + osl / 2)
         notes = []
@@ -195,16 +236,37 @@ class SlaPlanner:
                          f"profile's batch-1 ITL: decode at its maximum")
         else:
             want_d = math.ceil(rate * osl / per_decode)
-            keep_d = math.ceil(rate * osl * (1 + c.down_margin) / per_decode)
+            keep_d = math.ceil(rate * osl * (1 + margin) / per_decode)
         if prof.prefill_ttft_ms(isl) > c.ttft_slo_ms:
             notes.append(f"TTFT SLO {c.ttft_slo_ms:g} ms is below one request's prefill "
                          f"({prof.prefill_ttft_ms(isl):.0f} ms at ISL {isl:.0f}): no pool size meets it")
         p = self._sla_step(self.prefill, want_p, keep_p, c.min_prefill, c.max_prefill, now)
         d = self._sla_step(self.decode, want_d, keep_d, c.min_decode, c.max_decode, now)
-        reason = (f"rate {rate:.2f} req/s, ISL {isl:.0f}, OSL {osl:.0f}, p_corr {p_corr:.2f}, d_corr {d_corr:.2f}: "
+        reason = (f"rate {rate:.2f} req/s, ISL {isl:.0f}, OSL {osl:.0f}, p_corr {p_corr:.2f}, d_corr {d_corr:.2f}, "
+                  f"margin {100 * margin:.0f}%: "
                   f"needs prefill {want_p}, decode {want_d}" + "".join(f"; {n}" for n in notes))
         self.last = Decision(p, d, "sla", reason, p_corr, d_corr, rate)
         return self.last
+
+    def margin(self) -> float:
+        """The scale-down dead band: down_margin, or MARGIN_Z × the relative prediction error's
+        robust standard deviation (1.4826 × median absolute error: exact for normal errors)."""
+        if self.config.down_margin is not None:
+            return self.config.down_margin
+        if len(self._errors) < MIN_ERRORS:
+            return DEFAULT_MARGIN
+        return MARGIN_Z * 1.4826 * statistics.median(abs(e) for e in self._errors)
+
+    def _prefill_workers(self, tokens_per_s: float, isl: float) -> int:
+        """Prefill workers for ``tokens_per_s`` prompt tokens/s of prompts of ``isl`` tokens."""
+        c, prof = self.config, self.profile
+        per_worker = prof.prefill_tokens_per_s(isl)
+        budget_s = (c.ttft_slo_ms - prof.prefill_ttft_ms(isl)) / 1000
+        if tokens_per_s <= 0:
+            return 0
+        if c.prefill_sizing == "throughput" or budget_s <= 0:  # no wait fits the SLO: the formula's size
+            return math.ceil(tokens_per_s / (per_worker * c.utilization))
+        return servers_for_wait(tokens_per_s / per_worker, isl / per_worker, budget_s, c.ttft_tail)
 
     def _sla_step(self, pool: _PoolState, want: int, keep: int, lo: int, hi: int, now: float) -> int:
         """Grow to ``want`` at once; shrink to ``keep`` (the size with the margin) only after

@@ -23,7 +23,8 @@ PROFILE = WorkerProfile(
 
 def planner(**kw) -> SlaPlanner:
     cfg = dict(ttft_slo_ms=1000, itl_slo_ms=60, min_prefill=1, max_prefill=100, min_decode=1, max_decode=100,
-               predictor="constant", cooldown_down_s=0, cooldown_up_s=0, utilization=1.0)  # Dynamo exactly
+               predictor="constant", cooldown_down_s=0, cooldown_up_s=0, utilization=1.0,
+               prefill_sizing="throughput", down_margin=0.2)  # Dynamo exactly (and a fixed dead band)
     return SlaPlanner(PlannerConfig(**(cfg | kw)), PROFILE)
 
 
@@ -100,6 +101,58 @@ def test_scale_down_waits_for_patience_and_cooldown():
     assert p.decide_sla(60, low).prefill == 10     # one interval below: patience
     assert p.decide_sla(120, low).prefill == 10    # patience met, cooldown (since the scale-up) not
     assert p.decide_sla(360, low).prefill == math.ceil(2 * 1000 * 1.2 / 2000)   # 2: the down margin (20%)
+
+
+def test_erlang_c_and_the_fewest_servers_for_a_wait_budget():
+    from planner.queueing import erlang_c, servers_for_wait, wait_tail
+
+    assert erlang_c(1, 0.5) == pytest.approx(0.5)          # M/M/1: P(wait) = rho
+    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)        # M/M/2 at rho 0.5: 2 rho^2 / (1 + rho)
+    assert erlang_c(3, 3.0) == 1.0 and erlang_c(3, 0.0) == 0.0
+    n = servers_for_wait(a=5.0, service_s=0.5, budget_s=0.5, tail=0.01)
+    assert wait_tail(n, 5.0, 0.5, 0.5) <= 0.01 < wait_tail(n - 1, 5.0, 0.5, 0.5)
+    assert servers_for_wait(a=5.0, service_s=0.5, budget_s=600, tail=0.01) == 6   # a long budget: just a > n - 1
+    with pytest.raises(ValueError):
+        servers_for_wait(1.0, 0.0, 1.0, 0.01)
+
+
+def test_queueing_sizing_uses_the_wait_the_ttft_slo_allows():
+    """10 req/s of 1000-token prompts on 2000 tok/s workers: 5 workers of work. A TTFT SLO with
+    one service time of slack needs a few more; a generous one runs the pool near full."""
+    from planner.queueing import servers_for_wait
+
+    m = IntervalMetrics(duration_s=60, num_requests=600, mean_isl=1000, mean_osl=100)
+    tight = planner(prefill_sizing="queueing", ttft_slo_ms=1000).decide_sla(0, m)
+    assert tight.prefill == servers_for_wait(5.0, 0.5, 0.5, 0.01) == 8
+    assert planner(prefill_sizing="queueing", ttft_slo_ms=20_000).decide_sla(0, m).prefill == 6
+    assert planner(prefill_sizing="queueing", ttft_slo_ms=400).decide_sla(0, m).prefill == 5  # no slack: the formula
+
+
+def test_a_rising_load_is_sized_for_when_new_replicas_are_ready():
+    """Linear predictor on 6, 8, 10 req/s: the next interval is 12, but a replica asked for now is
+    ready two intervals later (startup 120 s), so the pool is sized for 16."""
+    def run(startup_s: float) -> int:
+        p = planner(predictor="linear", startup_s=startup_s)
+        for i, n in enumerate((360, 480, 600)):
+            d = p.decide_sla(60.0 * i, IntervalMetrics(60, n, 1000, 100))
+        return d.prefill
+    assert run(0) == math.ceil(12 * 1000 / 2000) and run(120) == math.ceil(16 * 1000 / 2000)
+
+
+def test_measured_margin_follows_the_predictors_error():
+    """A steady load that drops: with the measured margin (down_margin None) the pool shrinks to
+    what the new load needs, not 20% above it; a persistently noisy load keeps a wide margin."""
+    p = planner(down_margin=None, patience=1)
+    for i in range(6):
+        p.decide_sla(60.0 * i, IntervalMetrics(60, 1200, 1000, 100))      # 20 req/s: 10 workers
+    assert p.margin() == pytest.approx(0.0)
+    d = p.decide_sla(360, IntervalMetrics(60, 600, 1000, 100))            # 10 req/s
+    assert d.prefill == 5  # not ceil(5 x 1.2) = 6: no fixed 20% band, and one surprise does not widen it
+    noisy = planner(down_margin=None)
+    rng = random.Random(1)
+    for i in range(10):
+        noisy.decide_sla(60.0 * i, IntervalMetrics(60, int(600 * (1 + rng.uniform(-0.3, 0.3))), 1000, 100))
+    assert noisy.margin() > 0.2
 
 
 def test_pending_replicas_count_toward_the_target():
