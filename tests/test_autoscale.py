@@ -1,7 +1,8 @@
 """Scaling a live cluster (real Ray, real model, real gRPC): a worker started and drained under
 load with zero failed requests; the admin endpoint behind `pdserve scale`. Every test ends with
 the workers idle (no leaked block). (The planner's decisions are tested without a cluster in
-tests/test_planner.py; a live load ramp under --autoscale is not in the suite yet.)"""
+tests/test_planner.py.) A live load ramp under the autoscaler (the loop `serve --autoscale`
+runs): low -> high -> low grows both pools and drains them back, failing no request."""
 
 from __future__ import annotations
 
@@ -28,9 +29,11 @@ def serving(ray_session):
 
 
 class Load:
-    """``clients`` threads sending short greedy chat requests in a loop until stopped."""
+    """``clients`` threads sending short greedy chat requests in a loop until stopped, each
+    waiting ``pause_s`` after every answer."""
 
-    def __init__(self, address: str, clients: int) -> None:
+    def __init__(self, address: str, clients: int, pause_s: float = 0.0) -> None:
+        self.pause_s = pause_s
         self.ok = 0
         self.failed: list[str] = []
         self._stop = threading.Event()
@@ -52,6 +55,7 @@ class Load:
                     self.failed.append("no tokens")
             except grpc.RpcError as e:
                 self.failed.append(f"{e.code().name}: {e.details()}")
+            self._stop.wait(self.pause_s)
 
     def stop(self) -> None:
         self._stop.set()
@@ -117,3 +121,65 @@ def test_manual_scale_up_and_down_under_load_fails_no_request(serving):
     assert _replicas(serving) == {"decode": {"ready": 1, "starting": 0, "draining": 0},
                                   "prefill": {"ready": 1, "starting": 0, "draining": 0}}
     _assert_idle(serving)
+
+
+def test_autoscaler_grows_and_shrinks_both_pools_over_a_load_ramp(serving, tokenizer):
+    """low (a trickle) -> high (4 clients back to back) -> low: the planner, on metrics scraped
+    from the router and the workers, grows both pools to their bound of 2 and then drains them
+    back to 1 while the trickle still runs: zero failed requests, each scale-down a drain, no
+    leaked block."""
+    from deploy.autoscaler import Autoscaler
+    from planner.profile import DecodePoint, PrefillPoint, WorkerProfile
+    from planner.sla import PlannerConfig, SlaPlanner
+
+    # A profile scaled to this test's load, not to the machine: one worker of each role serves
+    # 0.8 requests/s (prefill: 0.8 x ISL prompt tokens/s; decode: 0.8 x 8 output tokens/s at any
+    # batch). The trickle sends <= 0.4 req/s, the 4 clients well above 1 req/s.
+    msgs = [{"role": "user", "content": "Say a word that rhymes with tree."}]
+    isl = len(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
+    per_prefill, per_decode = 0.8 * isl, 0.8 * 8
+    profile = WorkerProfile(prefill=(PrefillPoint(16, 1000 * 16 / per_prefill, per_prefill),
+                                     PrefillPoint(4096, 1000 * 4096 / per_prefill, per_prefill)),
+                            decode=tuple(DecodePoint(b, c, 1000 * b / per_decode, per_decode)
+                                         for b in (1, 64) for c in (16, 4096)))
+    cfg = PlannerConfig(ttft_slo_ms=10**7, itl_slo_ms=10**7, interval_s=3.0, min_prefill=1, max_prefill=2,
+                        min_decode=1, max_decode=2, predictor="constant", patience=2, cooldown_up_s=0,
+                        cooldown_down_s=3.0, down_margin=0.0, utilization=1.0, prefill_sizing="throughput")
+    planner = SlaPlanner(cfg, profile)
+    planner.adopt(0.0, 1, 1)
+    auto = Autoscaler(serving.controller, planner, f"http://{serving.router.endpoints.metrics}/metrics",
+                      load_interval_s=1.0)
+    drained_before = list(serving.controller.drained)
+    serving.call(_start(auto))
+    seen = {"prefill": 1, "decode": 1}
+
+    def grown() -> bool:
+        for role, r in _replicas(serving).items():
+            seen[role] = max(seen[role], r["ready"])
+        return seen == {"prefill": 2, "decode": 2}
+
+    trickle = Load(serving.grpc_address, clients=1, pause_s=2.5)
+    high = None
+    try:
+        time.sleep(2 * cfg.interval_s)
+        assert not grown() and seen == {"prefill": 1, "decode": 1}, planner.last  # low: nothing grows
+        high = Load(serving.grpc_address, clients=4)
+        try:
+            _wait(grown, 240, lambda: f"both pools to grow (seen {seen}; planner: {planner.last}; errors: {auto.errors})")
+        finally:
+            high.stop()
+        _wait(lambda: all(r == {"ready": 1, "starting": 0, "draining": 0} for r in _replicas(serving).values()),
+              180, lambda: f"both pools back to 1 ({_replicas(serving)}; planner: {planner.last})")
+    finally:
+        trickle.stop()
+        serving.call(auto.stop())
+    assert high.failed == [] and trickle.failed == [], (high.failed[:5], trickle.failed[:5])
+    assert high.ok > 0 and trickle.ok > 0
+    drained = serving.controller.drained[len(drained_before):]
+    assert sorted(w.split("-")[0] for w in drained) == ["decode", "prefill"], drained  # each scale-down a drain
+    assert any(e["loop"] == "sla" and e["actions"]["decode"]["draining"] for e in auto.history)
+    _assert_idle(serving)
+
+
+async def _start(auto) -> None:
+    auto.start()
