@@ -94,6 +94,17 @@ def test_hysteresis_prevents_flapping_on_a_noisy_constant_load():
     assert changes <= 3, sizes
 
 
+@pytest.mark.parametrize("predictor", ["moving-average", "linear"])
+def test_default_planner_does_not_flap_on_a_noisy_constant_load(predictor):
+    """The defaults (queueing sizing, the measured dead band) on a load +-15% around 10 req/s."""
+    p = SlaPlanner(PlannerConfig(ttft_slo_ms=1000, itl_slo_ms=60, max_prefill=100, max_decode=100,
+                                 predictor=predictor, patience=3, cooldown_down_s=0, cooldown_up_s=0), PROFILE)
+    rng = random.Random(0)
+    sizes = [(d.prefill, d.decode) for d in (p.decide_sla(60.0 * i, IntervalMetrics(
+        60, int(600 * (1 + rng.uniform(-0.15, 0.15))), 1000, 100)) for i in range(40))]
+    assert sum(1 for a, b in zip(sizes, sizes[1:]) if a != b) <= 3, sizes
+
+
 def test_scale_down_waits_for_patience_and_cooldown():
     p = planner(patience=2, cooldown_down_s=300)
     assert p.decide_sla(0, IntervalMetrics(60, 1200, 1000, 100)).prefill == 10
