@@ -19,6 +19,8 @@ POLICY_HELP = "Worker choice: kv (prefix overlap against load) | load | round-ro
 TEMPERATURE_HELP = "Softmax temperature of the kv cost (0: lowest cost, ties at random)."
 WEIGHT_HELP = "w of the kv cost: one uncached prefill block counts as w decode blocks."
 REGISTRY_HELP = "Worker registry, redis://HOST:PORT/DB (default: in-process, no Redis)."
+MIGRATION_HELP = ("Times one request may move to another decode-capable worker when its worker dies or stalls "
+                  "mid-stream (prompt + streamed tokens recomputed there, same client stream); 0: off.")
 
 
 def routing_config(policy: str, temperature: float, overlap_weight: float = 2.0):
@@ -57,6 +59,7 @@ def command(
                                                         "prefilled on the decode worker."),
     max_waiting: int = typer.Option(256, help="More waiting requests than this: RESOURCE_EXHAUSTED."),
     drain_seconds: float = typer.Option(30.0, help="Grace period for in-flight requests at shutdown."),
+    migration_limit: int = typer.Option(3, min=0, help=MIGRATION_HELP),
 ) -> None:
     """pdserve router: one more router replica for a cluster that registers in Redis."""
     import asyncio
@@ -71,7 +74,7 @@ def command(
     config = RouterConfig(host=host, port=port, http_port=None if http_port < 0 else http_port,
                           metrics_port=None if metrics_port < 0 else metrics_port, mode=mode,
                           local_prefill_threshold=local_prefill_threshold, max_waiting=max_waiting,
-                          drain_grace_s=drain_seconds, routing=routing_config(router_policy, router_temperature,
+                          drain_grace_s=drain_seconds, migration_limit=migration_limit, routing=routing_config(router_policy, router_temperature,
                                                         kv_overlap_score_weight))
     asyncio.run(_run(url, config))
 

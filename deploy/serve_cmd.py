@@ -99,8 +99,9 @@ def command(
                                          "first token).", rich_help_panel=LEASES),
     abort_timeout: float = typer.Option(30.0, min=0.001, help="Seconds per Abort / Release call to a worker.",
                                         rich_help_panel=LEASES),
+    migration_limit: int = typer.Option(3, min=0, help=router_cmd.MIGRATION_HELP, rich_help_panel=LEASES),
     worker_rpc_timeout: float = typer.Option(2.0, min=0.001, help="Seconds per Info / Stats call to a worker; "
-                                             "a worker that misses it is marked dead.", rich_help_panel=LEASES),
+                                             "a worker that misses it is suspect (no new requests) until it answers again.", rich_help_panel=LEASES),
     worker_start_timeout: float = typer.Option(300.0, min=1.0, help="Seconds for every worker to load and serve.",
                                                rich_help_panel=LEASES),
     drain_seconds: float = typer.Option(30.0, min=0.0, help="Grace period for in-flight requests at shutdown.",
@@ -196,6 +197,7 @@ def command(
                           generation_config=generation_config, request_timeout_s=request_timeout,
                           reservation_lease_s=reservation_lease, hold_lease_s=hold_lease,
                           prefill_attempts=prefill_attempts, abort_timeout_s=abort_timeout,
+                          migration_limit=migration_limit,
                           worker_poll_interval_s=worker_poll_interval, worker_rpc_timeout_s=worker_rpc_timeout,
                           routing=routing, api_key=api_key or None, max_body_bytes=max_body_bytes)
     print(f"pdserve: {rt.describe()}", flush=True)

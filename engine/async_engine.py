@@ -42,13 +42,15 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
-                       hold_kv: bool = False) -> AsyncIterator[RequestOutput]:
+                       hold_kv: bool = False, resume_token_ids: Sequence[int] = ()) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; the last one has finished=True. Raises InvalidRequest,
         CapacityError, KeyError (id in use) or EngineDeadError on the first iteration.
-        With hold_kv, the final output's kv_block_ids stay held until release_kv(request_id)."""
+        With hold_kv, the final output's kv_block_ids stay held until release_kv(request_id).
+        resume_token_ids: a migrated request's tokens already generated elsewhere (LLMEngine.add_request)."""
         queue = self._open(request_id)
         try:
-            await self._call(self.engine.add_request, request_id, prompt, params, hold_kv=hold_kv)
+            await self._call(self.engine.add_request, request_id, prompt, params, hold_kv=hold_kv,
+                             resume_token_ids=resume_token_ids)
         except BaseException:
             self._queues.pop(request_id, None)
             raise
@@ -104,6 +106,11 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    @property
+    def dead(self) -> BaseException | None:
+        """Why the step loop died (a model/runtime failure), or None while it can still run."""
+        return self._dead
 
     async def shutdown(self) -> None:
         """Stop the loop; every open stream ends with finish_reason "abort"."""

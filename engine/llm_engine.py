@@ -141,12 +141,23 @@ class LLMEngine:
         return self._template
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, *,
-                    hold_kv: bool = False) -> Request:
+                    hold_kv: bool = False, resume_token_ids: Sequence[int] = ()) -> Request:
         """Queue a request. Raises InvalidRequest (empty/too long, does not fit the cache),
-        CapacityError (queue full) or KeyError (request id in use)."""
+        CapacityError (queue full) or KeyError (request id in use).
+
+        resume_token_ids: output tokens another engine already generated (a migrated request).
+        The request starts as a preempted one would be recomputed: prompt + those tokens are
+        prefilled, they count as output (max_tokens, min_tokens, penalties) and are not emitted
+        again, and a seeded generator is moved past their draws, so the continuation is what one
+        uninterrupted engine would have produced."""
         req = Request(request_id, self._prompt_ids(prompt), params, hold_kv=hold_kv)
+        resumed = self._prompt_ids(resume_token_ids) if resume_token_ids else []
+        req.output_token_ids = resumed
         self.scheduler.add(req)
-        self._open_stream(req, req.prompt_token_ids)
+        self._open_stream(req, req.prompt_token_ids + resumed, num_sent=len(resumed))
+        if resumed:
+            self.sampler.advance(self._streams[request_id].generator, self.model_config.vocab_size, req.params,
+                                 len(resumed))
         return req
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:

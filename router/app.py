@@ -24,6 +24,7 @@ from router.grpc_server import NOT_SERVING, SERVICE_NAME, SERVING, build_server
 from router.body_limit import DEFAULT_MAX_BODY_BYTES
 from router.http_server import build_app
 from router.kv_sync import KvEventSync
+from router.leg_timeouts import LegTimeouts
 from router.metrics import RouterMetrics, serve_metrics
 from router.orchestrator import FlowConfig, Orchestrator
 from router.pool import RPC_TIMEOUT_S, WorkerPool
@@ -61,6 +62,8 @@ class RouterConfig:
     hold_lease_s: float = FlowConfig.hold_lease_s
     prefill_attempts: int = FlowConfig.prefill_attempts
     abort_timeout_s: float = FlowConfig.abort_timeout_s
+    migration_limit: int = FlowConfig.migration_limit   # --migration-limit
+    leg_timeouts: LegTimeouts = LegTimeouts()           # per-leg timeouts from the work (router/leg_timeouts.py)
     worker_poll_interval_s: float = 0.2
     worker_rpc_timeout_s: float = RPC_TIMEOUT_S
     routing: RoutingConfig = RoutingConfig()   # --router-policy, --router-temperature
@@ -69,7 +72,7 @@ class RouterConfig:
 
     def flow(self) -> FlowConfig:
         return FlowConfig(self.mode, self.local_prefill_threshold, self.reservation_lease_s, self.hold_lease_s,
-                          self.prefill_attempts, self.abort_timeout_s)
+                          self.prefill_attempts, self.abort_timeout_s, self.migration_limit, self.leg_timeouts)
 
     def service(self) -> ServiceConfig:
         return ServiceConfig(self.max_waiting, self.served_model_name, self.chat_template, self.generation_config,

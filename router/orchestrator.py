@@ -1,17 +1,29 @@
-"""The two-phase request flow across workers, with abort fan-out and one prefill retry.
+"""The request flow across workers: two-phase disaggregation, prefill failover, decode migration.
 
 Workers are chosen by router/routing.py (--router-policy; kv: prefix overlap against load for
 agg and prefill workers, KV headroom for decode workers), each choice booked on its worker.
+Every leg has a timeout from its work (router/leg_timeouts.py: queue, prompt length, the
+worker's measured speed), bounded by the request's deadline; a leg past it counts as a lost worker.
 
-Disaggregated (uncached prompt >= --local-prefill-threshold tokens):
-  1. choose a decode worker D (KV headroom); D.Reserve -> destination blocks
-  2. choose a prefill worker P (kv cost); P.Prefill computes the prompt, writes its KV into
-     D's blocks layer by layer and returns the first token once every write landed -> sent to the
-     client at once. A failure here (before any token was sent) is retried once on another P.
-  3. D.Decode admits the request into D's running batch and streams the rest; its first chunk
-     confirms D has the KV, so P.Release drops P's hold.
-Local (agg mode, or a prompt whose part D has not cached is short): D.Generate does prefill and
-decode on one worker.
+One attempt on a decode-capable worker D (``_attempt``):
+  Disaggregated (a live prefill worker and an uncached prompt >= --local-prefill-threshold):
+    1. D.Reserve -> destination blocks, a fresh reservation (its own worker request id) per try.
+    2. choose a prefill worker P; P.Prefill computes the prompt, writes its KV into D's blocks
+       layer by layer and returns the first token once every write landed -> sent to the client
+       at once. A prefill that fails (UNAVAILABLE) or runs past its leg timeout is aborted and
+       tried on another P with a fresh reservation (prefill attempts, all before any token was
+       sent); the old reservation is aborted after its P's abort (the fence order below). When no
+       P is left, D prefills the prompt itself (Local).
+    3. D.Decode admits the request into D's running batch and streams the rest; its first chunk
+       confirms D has the KV, so P.Release drops P's hold.
+  Local (agg mode, a short uncached prompt, no live prefill worker): D.Generate does both.
+Migration (``run``): when a decode-side leg's worker is lost (Reserve or the stream fails with
+UNAVAILABLE, or a chunk is late past its leg timeout), the router aborts that attempt's legs and
+re-issues the prompt plus every token already streamed to another decode-capable worker
+(D'.Generate with resume_token_ids: recomputed there as output, not emitted again), and the
+client's stream continues without an error. At most --migration-limit times per request; the
+final usage's recomputed_tokens counts the prompt and resumed tokens computed again (prefill
+retries included). With greedy or seeded sampling the text equals an uninterrupted run.
 
 Whatever ends the request early (client cancel or disconnect, deadline, a stop string seen by
 the router, a failed leg), every leg still open gets an Abort, sent in the background so that
@@ -25,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -32,6 +45,7 @@ import grpc
 
 from proto.pdserve.v1 import api_pb2, worker_pb2
 from router.errors import ServiceError
+from router.leg_timeouts import LegTimeouts
 from router.pool import WorkerHandle, WorkerPool
 from router.prefix_index import PrefixIndex
 from router.routing import Booking, RoutingConfig, Selector
@@ -50,12 +64,16 @@ class FlowConfig:
     hold_lease_s: float = 30.0           # P frees its hold if no Release comes
     prefill_attempts: int = 2            # tries on distinct prefill workers, all before any token was sent
     abort_timeout_s: float = ABORT_TIMEOUT_S  # per Abort / Release RPC
+    migration_limit: int = 3             # --migration-limit: moves of one request to another decode-capable worker
+    leg_timeouts: LegTimeouts = LegTimeouts()
 
     def __post_init__(self) -> None:
         if self.mode not in ("disagg", "agg"):
             raise ValueError(f"mode must be disagg or agg, got {self.mode!r}")
         if self.prefill_attempts < 1:
             raise ValueError(f"prefill_attempts must be >= 1, got {self.prefill_attempts}")
+        if self.migration_limit < 0:
+            raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         for name in ("reservation_lease_s", "hold_lease_s", "abort_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -73,13 +91,43 @@ class Tokens:
     logprobs: list[api_pb2.TokenLogprob] = field(default_factory=list)  # one per token when asked for
 
 
+class _WorkerLost(Exception):
+    """A decode-side leg lost its worker (failed with UNAVAILABLE, or late past its leg timeout):
+    the request may migrate."""
+
+    def __init__(self, error: ServiceError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 @dataclass
 class _Legs:
-    """The workers a request has open, to abort or release when it ends."""
+    """One request across its attempts: the legs it has open (worker, worker request id), to
+    abort or release when it ends, the tokens the client already has, what was recomputed."""
 
     request_id: str
-    open: dict[str, WorkerHandle] = field(default_factory=dict)
+    prompt_ids: list[int]
+    sampling: api_pb2.SamplingOptions
+    deadline: float
+    open: dict[tuple[str, str], WorkerHandle] = field(default_factory=dict)  # (worker id, its request id)
     finished: bool = False
+    sent: list[int] = field(default_factory=list)
+    recomputed: int = 0
+    lost: set[str] = field(default_factory=set)   # decode-capable workers this request left
+    _ids: int = 0
+
+    def new_id(self) -> str:
+        """A worker request id for the next leg: the request id, then request id~1, ~2... (a fresh
+        reservation or a migrated stream never reuses an id a worker may still hold)."""
+        self._ids += 1
+        return self.request_id if self._ids == 1 else f"{self.request_id}~{self._ids - 1}"
+
+    def take_open(self) -> list[tuple[WorkerHandle, str]]:
+        legs, self.open = [(w, wrid) for (_, wrid), w in self.open.items()], {}
+        return legs
+
+    def add(self, w: WorkerHandle, wrid: str) -> None:
+        self.open[(w.id, wrid)] = w
 
 
 class Orchestrator:
@@ -88,108 +136,180 @@ class Orchestrator:
         self.config = config
         self.selector = selector or Selector(pool, PrefixIndex(), RoutingConfig())
         self._background: set[asyncio.Task] = set()
+        self.migrations = 0        # requests moved to another decode-capable worker (tests, metrics)
+        self.prefill_failovers = 0  # prefill legs retried elsewhere or prefilled locally
 
     async def run(self, request_id: str, prompt_ids: list[int], sampling: api_pb2.SamplingOptions,
                   deadline: float) -> AsyncIterator[Tokens]:
         """Stream the request's tokens; raises ServiceError. `deadline` is in loop.time() seconds."""
-        agg = self.config.mode == "agg"
+        role = "agg" if self.config.mode == "agg" else "decode"
         max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else 16
-        booking = self.selector.choose("agg" if agg else "decode", prompt_ids, max_tokens, by_headroom=not agg)
-        d = booking.worker
-        legs = _Legs(request_id)
-        uncached = len(prompt_ids) - booking.overlap_tokens  # conditional disaggregation decides on this
+        legs = _Legs(request_id, prompt_ids, sampling, deadline)
         try:
-            if agg or use_local_prefill(uncached, self.config.local_prefill_threshold):
-                flow = self._local(d, legs, prompt_ids, sampling, deadline)
-            else:
-                flow = self._disagg(d, legs, prompt_ids, sampling, deadline)
-            async with contextlib.aclosing(flow):
-                async for tokens in flow:
-                    booking.prefilled()
-                    yield tokens
+            while True:  # one attempt per decode-capable worker, until it finishes or the limit
+                booking = self.selector.choose(role, prompt_ids + legs.sent, max_tokens - len(legs.sent),
+                                               by_headroom=role == "decode", exclude=frozenset(legs.lost))
+                try:
+                    async with contextlib.aclosing(self._attempt(booking, legs)) as flow:
+                        async for tokens in flow:
+                            booking.prefilled()
+                            legs.sent += tokens.token_ids
+                            if tokens.finish_reason and legs.recomputed:
+                                tokens.usage = _with_recomputed(tokens.usage, legs.recomputed)
+                            yield tokens
+                    return
+                except _WorkerLost as e:
+                    if len(legs.lost) >= self.config.migration_limit:
+                        raise e.error from None
+                    self._migrate(legs, booking.worker, e.error)
+                finally:
+                    booking.done()
         finally:
-            booking.done()
             if not legs.finished and legs.open:
-                self._spawn(self._abort_legs(list(legs.open.values()), request_id))
+                self._spawn(self._abort_legs(legs.take_open()))
+
+    def _migrate(self, legs: _Legs, d: WorkerHandle, error: ServiceError) -> None:
+        """Leave worker d: abort this attempt's legs (fence order), recompute elsewhere."""
+        legs.lost.add(d.id)
+        self.migrations += 1
+        self._spawn(self._abort_legs(legs.take_open()))
+        legs.recomputed += len(legs.prompt_ids) + len(legs.sent)
+        log.warning("request %s: %s lost after %d tokens (%s); migrating", legs.request_id, d.id, len(legs.sent),
+                    error.message)
 
     async def drain(self) -> None:
         """Wait for background aborts and releases (shutdown, tests)."""
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
 
-    async def _local(self, d: WorkerHandle, legs: _Legs, prompt_ids: list[int],
-                     sampling: api_pb2.SamplingOptions, deadline: float) -> AsyncIterator[Tokens]:
-        legs.open[d.id] = d
-        req = worker_pb2.WorkerGenerateRequest(request_id=legs.request_id, prompt_token_ids=prompt_ids,
-                                               sampling=sampling)
-        stream = self._stream(d, d.stub.Generate(req, timeout=_remaining(deadline)), legs, "decode")
-        async with contextlib.aclosing(stream):
-            async for tokens in stream:
-                yield tokens
+    def _attempt(self, booking: Booking, legs: _Legs) -> AsyncIterator[Tokens]:
+        d = booking.worker
+        if legs.sent:  # a migrated request: recompute prompt + the streamed tokens on d
+            return self._local(d, legs)
+        uncached = len(legs.prompt_ids) - booking.overlap_tokens  # conditional disaggregation decides on this
+        if self.config.mode == "agg" or use_local_prefill(uncached, self.config.local_prefill_threshold) \
+                or not self._live("prefill"):
+            return self._local(d, legs)
+        return self._disagg(d, legs)
 
-    async def _disagg(self, d: WorkerHandle, legs: _Legs, prompt_ids: list[int],
-                      sampling: api_pb2.SamplingOptions, deadline: float) -> AsyncIterator[Tokens]:
-        rid = legs.request_id
-        legs.open[d.id] = d
-        reserve = await _unary(d, "decode", d.stub.Reserve, worker_pb2.ReserveRequest(
-            request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
-            lease_seconds=self.config.reservation_lease_s), deadline)
-        p, first = await self._prefill_with_retry(legs, prompt_ids, sampling, reserve.destination, deadline)
+    def _live(self, role: str) -> bool:
+        return any(w.alive for w in self._pool.workers(role))
+
+    async def _local(self, d: WorkerHandle, legs: _Legs) -> AsyncIterator[Tokens]:
+        wrid = legs.new_id()
+        req = worker_pb2.WorkerGenerateRequest(request_id=wrid, prompt_token_ids=legs.prompt_ids,
+                                               sampling=legs.sampling, resume_token_ids=legs.sent)
+        queued = _prefill_tokens(d) + len(legs.sent)
+        first_timeout = self.config.leg_timeouts.prefill_s(d.rate, queued)
+        async for tokens in self._decode_stream(d, wrid, legs, d.stub.Generate, req, first_timeout, queued):
+            yield tokens
+
+    async def _disagg(self, d: WorkerHandle, legs: _Legs) -> AsyncIterator[Tokens]:
+        got = await self._prefill_with_retry(d, legs)
+        if got is None:  # no prefill worker could do it: D prefills the prompt itself
+            self.prefill_failovers += 1
+            legs.recomputed += len(legs.prompt_ids)
+            async for tokens in self._local(d, legs):
+                yield tokens
+            return
+        p, wrid, first = got
         first_tokens = Tokens([first.first_token_id], first.finish_reason or None, first.usage, first.kv_bytes,
                               first.transfer_seconds, [first.first_logprob] if first.HasField("first_logprob") else [])
         if first.finish_reason:  # the first token ended it: D's reservation is not needed
             legs.finished = True
-            self._spawn(self._release(p, rid))
-            self._spawn(self._abort(d, rid))
+            legs.open.clear()
+            self._spawn(self._release(p, legs.request_id))
+            self._spawn(self._abort(d, wrid))
             yield first_tokens
             return
         yield first_tokens
-        call = d.stub.Decode(worker_pb2.DecodeRequest(request_id=rid, first_token_id=first.first_token_id),
-                             timeout=_remaining(deadline))
+        req = worker_pb2.DecodeRequest(request_id=wrid, first_token_id=first.first_token_id)
         released = False
-        stream = self._stream(d, call, legs, "decode")
+        stream = self._decode_stream(d, wrid, legs, d.stub.Decode, req, self.config.leg_timeouts.chunk_s(d.rate))
         async with contextlib.aclosing(stream):
             async for tokens in stream:
                 if not released:
                     released = True
-                    legs.open.pop(p.id, None)
-                    self._spawn(self._release(p, rid))
+                    legs.open.pop((p.id, legs.request_id), None)
+                    self._spawn(self._release(p, legs.request_id))
                 yield tokens
 
-    async def _prefill_with_retry(self, legs: _Legs, prompt_ids: list[int], sampling: api_pb2.SamplingOptions,
-                                  dest: worker_pb2.KVDestination, deadline: float
-                                  ) -> tuple[WorkerHandle, worker_pb2.PrefillResponse]:
-        req = worker_pb2.PrefillRequest(request_id=legs.request_id, prompt_token_ids=prompt_ids, sampling=sampling,
-                                        destination=dest, hold_seconds=self.config.hold_lease_s)
+    async def _reserve(self, d: WorkerHandle, legs: _Legs) -> tuple[str, worker_pb2.KVDestination]:
+        """A fresh reservation on d; its loss (UNAVAILABLE, late) is d's loss."""
+        wrid = legs.new_id()
+        legs.add(d, wrid)
+        req = worker_pb2.ReserveRequest(request_id=wrid, prompt_token_ids=legs.prompt_ids, sampling=legs.sampling,
+                                        lease_seconds=self.config.reservation_lease_s)
+        try:
+            reply = await _unary(d, "decode", d.stub.Reserve, req, legs.deadline, self.config.leg_timeouts.floor_s)
+        except ServiceError as e:
+            if e.code == grpc.StatusCode.UNAVAILABLE:
+                raise _WorkerLost(e) from None
+            raise
+        return wrid, reply.destination
+
+    async def _prefill_with_retry(self, d: WorkerHandle, legs: _Legs
+                                  ) -> tuple[WorkerHandle, str, worker_pb2.PrefillResponse] | None:
+        """(P, D's reservation id, P's answer), or None when no prefill worker could do it.
+
+        The prefill leg's request id on P is the request id (P's holds are keyed by it); every
+        try has its own reservation on D, so a late write of an abandoned try can only land in
+        blocks nobody else owns yet."""
         tried: set[str] = set()
-        error: ServiceError | None = None
-        attempts = self.config.prefill_attempts
-        for _ in range(attempts):  # every attempt happens before any token was sent
+        for attempt in range(self.config.prefill_attempts):  # every attempt happens before any token was sent
             try:
-                booking: Booking = self.selector.choose("prefill", prompt_ids, 0, exclude=frozenset(tried))
-            except ServiceError as e:
-                error = error or e
-                break
-            p, wid = booking.worker, booking.worker.id
-            tried.add(wid)
-            legs.open[wid] = p
+                booking: Booking = self.selector.choose("prefill", legs.prompt_ids, 0, exclude=frozenset(tried))
+            except ServiceError:
+                return None
+            p = booking.worker
+            tried.add(p.id)
             try:
-                return p, await _unary(p, "prefill", p.stub.Prefill, req, deadline)
+                wrid, dest = await self._reserve(d, legs)
+                if attempt:
+                    legs.recomputed += len(legs.prompt_ids)
+                legs.add(p, legs.request_id)
+                return p, wrid, await self._prefill(p, legs, dest)
             except ServiceError as e:
                 if e.code != grpc.StatusCode.UNAVAILABLE:
                     raise
-                error = e
-                legs.open.pop(wid)
-                self._spawn(self._abort(p, legs.request_id))
-                log.warning("prefill of %s failed on %s, %s: %s", legs.request_id, wid,
-                            "retrying" if len(tried) < attempts else "giving up", e.message)
+                self.prefill_failovers += 1
+                self._spawn(self._abort_legs(legs.take_open()))  # P first, then this try's reservation
+                log.warning("prefill of %s failed on %s: %s; %s", legs.request_id, p.id, e.message,
+                            "retrying" if attempt + 1 < self.config.prefill_attempts else "prefilling on the decode worker")
             finally:
                 booking.done()
-        raise error or ServiceError(grpc.StatusCode.UNAVAILABLE, "no live prefill worker; retry later")
+        return None
 
-    async def _stream(self, w: WorkerHandle, call, legs: _Legs, leg: str) -> AsyncIterator[Tokens]:
+    async def _prefill(self, p: WorkerHandle, legs: _Legs, dest: worker_pb2.KVDestination
+                       ) -> worker_pb2.PrefillResponse:
+        req = worker_pb2.PrefillRequest(request_id=legs.request_id, prompt_token_ids=legs.prompt_ids,
+                                        sampling=legs.sampling, destination=dest, hold_seconds=self.config.hold_lease_s)
+        queued = _prefill_tokens(p)
+        start = time.monotonic()
+        reply = await _unary(p, "prefill", p.stub.Prefill, req, legs.deadline,
+                             self.config.leg_timeouts.prefill_s(p.rate, queued))
+        p.rate.observe_prefill(queued, time.monotonic() - start)
+        return reply
+
+    async def _decode_stream(self, w: WorkerHandle, wrid: str, legs: _Legs, method, request, first_timeout: float,
+                             queued: int = 0) -> AsyncIterator[Tokens]:
+        """Relay a Decode/Generate stream; each chunk must come within its leg timeout (the first
+        within first_timeout). A failure or a late chunk raises _WorkerLost."""
+        legs.add(w, wrid)
+        call = method(request, timeout=_remaining(legs.deadline))
+        timeout, start, last = first_timeout, time.monotonic(), None
         try:
-            async for chunk in call:
+            while True:
+                chunk = await _read(call, w, "decode", legs.deadline, timeout)
+                if chunk is grpc.aio.EOF:
+                    raise _WorkerLost(ServiceError(grpc.StatusCode.UNAVAILABLE,
+                                                   f"decode worker {w.id} ended the stream without finishing"))
+                now = time.monotonic()
+                if last is None and queued:
+                    w.rate.observe_prefill(queued, now - start)
+                elif last is not None:
+                    w.rate.observe_gap(now - last)
+                last, timeout = now, self.config.leg_timeouts.chunk_s(w.rate)
                 finish = chunk.finish_reason or None
                 if finish:
                     legs.finished = True
@@ -197,20 +317,18 @@ class Orchestrator:
                              logprobs=list(chunk.logprobs))
                 if finish:
                     return
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                self._pool.mark_dead(w.id)
-            raise ServiceError.from_rpc(e, leg) from None
+        except ServiceError as e:
+            if e.code == grpc.StatusCode.UNAVAILABLE:
+                raise _WorkerLost(e) from None
+            raise
         finally:
             call.cancel()
-        raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"{leg} worker {w.id} ended the stream without finishing")
 
-    async def _abort_legs(self, workers: list[WorkerHandle], request_id: str) -> None:
+    async def _abort_legs(self, legs: list[tuple[WorkerHandle, str]]) -> None:
         """Prefill legs first: once a prefill worker has answered an Abort, none of its writes can
         still land, so the decode worker may then reuse the blocks it frees."""
-        senders = [w for w in workers if w.endpoint.role == "prefill"]
-        await asyncio.gather(*(self._abort(w, request_id) for w in senders))
-        await asyncio.gather(*(self._abort(w, request_id) for w in workers if w not in senders))
+        await asyncio.gather(*(self._abort(w, rid) for w, rid in legs if w.endpoint.role == "prefill"))
+        await asyncio.gather(*(self._abort(w, rid) for w, rid in legs if w.endpoint.role != "prefill"))
 
     async def _abort(self, w: WorkerHandle, request_id: str) -> None:
         try:
@@ -234,10 +352,48 @@ class Orchestrator:
         task.add_done_callback(self._background.discard)
 
 
-async def _unary(w: WorkerHandle, leg: str, method, request, deadline: float):
+def _prefill_tokens(w: WorkerHandle) -> int:
+    """Prompt tokens the router has booked on w before their first token (its queue, ours included)."""
+    return w.booked_prefill_blocks * (w.info.block_size or 16)
+
+
+def _with_recomputed(usage: api_pb2.Usage | None, recomputed: int) -> api_pb2.Usage:
+    out = api_pb2.Usage()
+    if usage is not None:
+        out.CopyFrom(usage)
+    out.recomputed_tokens = recomputed
+    return out
+
+
+async def _read(call, w: WorkerHandle, leg: str, deadline: float, leg_timeout: float):
+    """The stream's next message (or grpc.aio.EOF) within the leg timeout and the deadline."""
+    left = _remaining(deadline)
     try:
-        return await method(request, timeout=_remaining(deadline))
+        return await asyncio.wait_for(call.read(), min(leg_timeout, left))
+    except TimeoutError:
+        if left <= leg_timeout:
+            raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
+        w.alive = False  # suspect until its Stats answer again (router/pool.py)
+        raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                           f"{leg} worker {w.id} sent nothing for {leg_timeout:.1f} s (leg timeout)") from None
     except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            w.alive = False
+        raise ServiceError.from_rpc(e, leg) from None
+
+
+async def _unary(w: WorkerHandle, leg: str, method, request, deadline: float, leg_timeout: float):
+    """A unary leg within its leg timeout and the deadline; late past the leg timeout = UNAVAILABLE."""
+    left = _remaining(deadline)
+    try:
+        return await method(request, timeout=min(leg_timeout, left))
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and left > leg_timeout:
+            w.alive = False  # suspect until its Stats answer again (router/pool.py)
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"{leg} worker {w.id} did not answer in {leg_timeout:.1f} s (leg timeout)") from None
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            w.alive = False
         raise ServiceError.from_rpc(e, leg) from None
 
 

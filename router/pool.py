@@ -3,8 +3,12 @@
 A background loop asks the registry who exists, connects to new workers (Info; from the first
 one also the model's tokenizer files, Worker.ModelFiles, so the router never reads a worker's
 disk and may run on another node), drops gone ones,
-and polls Stats; a worker whose RPC fails is marked dead until a poll succeeds again (Ray restarts
-it and it re-registers, possibly at a new address). Loads combine the worker's last Stats with the
+and polls Stats with a deadline (``rpc_timeout_s``, 2 s). Liveness: a worker whose poll fails or
+misses its deadline (a stopped process, a wedged host), or whose request leg failed or ran past
+its leg timeout (router/orchestrator.py), is suspect: ``alive`` is False and no new request is
+routed to it; the first poll it answers makes it live again (a resumed process; a restarted one
+re-registers, possibly at a new address). The loop never waits for one worker's poll: a stuck
+worker delays nobody else's Stats. Loads combine the worker's last Stats with the
 requests the router has sent it since, so a burst does not all land on one worker.
 
 KV events: with a ``kv_sync`` (router/kv_sync.py) each poll also pulls the worker's KV events
@@ -23,6 +27,7 @@ import grpc
 
 from proto.model_files import join_chunks
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from router.leg_timeouts import WorkRate
 from router.registry import Registry, WorkerEndpoint
 from router.selection import WorkerLoad
 
@@ -50,6 +55,8 @@ class WorkerHandle:
     # our bookings when the last Stats arrived: what the report shows beyond them is other routers' load
     booked_at_poll: int = 0
     inflight_at_poll: int = 0
+    rate: WorkRate = field(default_factory=WorkRate)  # measured speed, for the leg timeouts
+    missed_polls: int = 0  # consecutive Stats polls that failed or missed their deadline
 
     @property
     def id(self) -> str:
@@ -72,6 +79,7 @@ class WorkerPool:
         self._workers: dict[str, WorkerHandle] = {}
         self._retired: list[list] = []   # [handle, monotonic time its in-flight count was last seen 0, or None]
         self._task: asyncio.Task | None = None
+        self._polls: dict[str, asyncio.Task] = {}  # worker id -> its poll in flight (the loop's)
         self.changed = asyncio.Event()
         self.model_files: dict[str, bytes] | None = None  # from the first worker (all serve one model)
 
@@ -80,9 +88,11 @@ class WorkerPool:
         self._task = asyncio.create_task(self._loop())
 
     async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for t in [self._task, *self._polls.values()]:
+            if t is not None:
+                t.cancel()
+        await asyncio.gather(*(t for t in [self._task, *self._polls.values()] if t is not None),
+                             return_exceptions=True)
         for w in [*self._workers.values(), *(r[0] for r in self._retired)]:
             await w.channel.close()
         self._workers.clear()
@@ -104,7 +114,9 @@ class WorkerPool:
     def any_info(self) -> worker_pb2.WorkerInfo | None:
         return next((w.info for w in self._workers.values() if w.alive), None)
 
-    async def refresh(self) -> None:
+    async def refresh(self, wait: bool = True) -> None:
+        """Follow the registry and poll every worker's Stats; wait=False (the loop) starts the polls
+        without waiting for them, one in flight per worker."""
         try:
             endpoints = {e.id: e for e in await self._registry.list_workers()}
         except Exception as e:  # the registry being briefly unreachable must not kill the router
@@ -115,7 +127,14 @@ class WorkerPool:
             if self.kv_sync is not None:
                 self.kv_sync.index.drop(wid)
         await asyncio.gather(*(self._connect(e) for e in endpoints.values() if e.id not in self._workers))
-        await asyncio.gather(*(self._poll_stats(w) for w in list(self._workers.values())))
+        if wait:
+            await asyncio.gather(*(self._poll_stats(w) for w in list(self._workers.values())))
+        else:
+            for w in list(self._workers.values()):
+                if w.id not in self._polls:
+                    task = asyncio.create_task(self._poll_stats(w))
+                    self._polls[w.id] = task
+                    task.add_done_callback(lambda _t, wid=w.id: self._polls.pop(wid, None))
         await self._close_retired()
 
     async def _close_retired(self) -> None:
@@ -135,7 +154,7 @@ class WorkerPool:
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self._poll_s)
-            await self.refresh()
+            await self.refresh(wait=False)
 
     async def _connect(self, e: WorkerEndpoint) -> None:
         channel = grpc.aio.insecure_channel(e.address)
@@ -155,10 +174,15 @@ class WorkerPool:
     async def _poll_stats(self, w: WorkerHandle) -> None:
         try:
             w.stats = await w.stub.Stats(worker_pb2.StatsRequest(), timeout=self._rpc_timeout_s)
-            w.booked_at_poll, w.inflight_at_poll = w.booked_decode_blocks, w.inflight
-            w.alive = True
-        except grpc.RpcError:
+        except grpc.RpcError as e:
+            w.missed_polls += 1
+            if w.alive or w.missed_polls == 1:
+                log.warning("worker %s missed a Stats poll (%s): suspect, no new requests", w.id, e.code().name)
             w.alive = False
             return
+        w.booked_at_poll, w.inflight_at_poll = w.booked_decode_blocks, w.inflight
+        if not w.alive or w.missed_polls:
+            log.info("worker %s answers again after %d missed polls: live", w.id, w.missed_polls)
+        w.alive, w.missed_polls = True, 0
         if self.kv_sync is not None and not self.kv_events_pushed():
             await self.kv_sync.poll(w)

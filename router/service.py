@@ -238,7 +238,7 @@ class RouterService:
     async def _run(self, req: Prepared, start: float, deadline: float) -> AsyncIterator[Delta]:
         s = req.sampling
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, s.stop, s.skip_special_tokens)
-        n_out, cached, last_t, first_t = 0, 0, None, start
+        n_out, cached, recomputed, last_t, first_t = 0, 0, 0, None, start
         flow = self.orchestrator.run(req.request_id, req.prompt_ids, to_wire(s), deadline)
         async with contextlib.aclosing(flow):
             async for tokens in flow:
@@ -257,6 +257,7 @@ class RouterService:
                 n_out += len(tokens.token_ids)
                 if tokens.usage is not None:
                     cached = max(cached, tokens.usage.cached_tokens)
+                    recomputed = max(recomputed, tokens.usage.recomputed_tokens)
                 text = detok.step(tokens.token_ids)
                 finish = "stop" if detok.stopped else tokens.finish_reason
                 if finish and not detok.stopped:
@@ -264,7 +265,7 @@ class RouterService:
                 delta = Delta(tokens.token_ids, text, finish, ttft_s=ttft, logprobs=tokens.logprobs)
                 if finish:
                     delta.usage = api_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=n_out,
-                                                cached_tokens=cached)
+                                                cached_tokens=cached, recomputed_tokens=recomputed)
                     self._record_finish(finish, start, first_t, n_out, len(req.prompt_ids), cached)
                     yield delta
                     return

@@ -205,3 +205,25 @@ def test_seeded_remote_decode_draws_what_one_engine_draws(runner, tokenizer, pro
         for o in eng.step():
             got += o.new_token_ids
     assert got == want and len(want) == 6
+
+
+def test_resumed_request_continues_as_one_engine_would(runner, tokenizer, prompts):
+    """Migration's engine half: a request re-added with the tokens another engine already produced
+    (resume_token_ids) emits exactly the rest of the uninterrupted run, seeded and penalised
+    sampling included (the generator skips the resumed draws, the penalties see them as output),
+    and its usage counts every output token."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=77, max_tokens=7, frequency_penalty=0.5,
+                            repetition_penalty=1.2)
+    for p in (params, GREEDY):
+        whole = engine(runner, tokenizer)
+        want = run_to_completion(whole, [prompts[5]], p)[0].token_ids
+        eng = engine(runner, tokenizer)
+        eng.add_request("m", prompts[5], p, resume_token_ids=want[:3])
+        got, usage = [], None
+        while eng.has_unfinished():
+            for o in eng.step():
+                got += o.new_token_ids
+                usage = o.usage if o.finished else usage
+        assert got == want[3:] and len(want) == p.max_tokens
+        assert usage.completion_tokens == p.max_tokens and usage.prompt_tokens == len(prompts[5])
+        assert eng.block_manager.num_used_blocks == 0 or eng.stats().running == 0

@@ -209,7 +209,9 @@ def test_too_many_waiting_gets_resource_exhausted(serving):
     assert_idle(serving)
 
 
-def test_no_prefill_worker_alive_gets_unavailable_and_frees_the_reservation(serving):
+def test_no_prefill_worker_alive_prefills_on_the_decode_worker(serving):
+    """Prefill failover's last resort: with no live prefill worker the decode worker prefills the
+    prompt itself (no reservation is made), over gRPC and HTTP."""
     from router.app import Router, RouterConfig
     from router.registry import CallableRegistry
 
@@ -222,20 +224,18 @@ def test_no_prefill_worker_alive_gets_unavailable_and_frees_the_reservation(serv
         try:
             async with grpc.aio.insecure_channel(ep.grpc) as ch:
                 req = api_pb2.GenerateRequest(model=MODEL, prompt="Hello there",
-                                              sampling=api_pb2.SamplingOptions(max_tokens=4))
-                try:
-                    [m async for m in api_pb2_grpc.GenerationStub(ch).Generate(req, timeout=30)]
-                except grpc.RpcError as e:
-                    grpc_code = e.code()
+                                              sampling=api_pb2.SamplingOptions(max_tokens=4, ignore_eos=True))
+                msgs = [m async for m in api_pb2_grpc.GenerationStub(ch).Generate(req, timeout=60)]
             import httpx
 
             async with httpx.AsyncClient() as c:
-                r = await c.post(f"http://{ep.http}/v1/completions", json={"model": MODEL, "prompt": "Hi"})
-            return grpc_code, r.status_code
+                r = await c.post(f"http://{ep.http}/v1/completions", json={"model": MODEL, "prompt": "Hi"},
+                                 timeout=60)
+            return sum(len(m.token_ids) for m in msgs), r.status_code
         finally:
             await router.stop()
 
-    assert serving.call(run(), 60) == (grpc.StatusCode.UNAVAILABLE, 503)
+    assert serving.call(run(), 120) == (4, 200)
     assert_idle(serving)
 
 

@@ -129,10 +129,17 @@ class WorkerCore:
         return params
 
     # -- local generation (agg mode, short prompts) -------------------------------------------------
-    async def generate(self, request_id: str, prompt_ids: list[int], wire: api_pb2.SamplingOptions
-                       ) -> AsyncIterator[worker_pb2.TokenChunk]:
+    async def generate(self, request_id: str, prompt_ids: list[int], wire: api_pb2.SamplingOptions,
+                       resume_token_ids: list[int] | None = None) -> AsyncIterator[worker_pb2.TokenChunk]:
+        """Local generation; resume_token_ids: a migrated request's tokens already streamed (not re-sent)."""
         params = self.check(prompt_ids, wire)
-        async for chunk in self.stream(self.engine.generate(prompt_ids, params, request_id), request_id):
+        resume = resume_token_ids or []
+        if len(resume) >= params.max_tokens:
+            raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"resume_token_ids: {len(resume)} tokens, max_tokens is {params.max_tokens}")
+        outputs = self.engine.generate(prompt_ids, params, request_id, resume_token_ids=resume) if resume \
+            else self.engine.generate(prompt_ids, params, request_id)
+        async for chunk in self.stream(outputs, request_id):
             yield chunk
 
     async def stream(self, outputs: AsyncIterator, request_id: str) -> AsyncIterator[worker_pb2.TokenChunk]:

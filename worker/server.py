@@ -70,7 +70,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Generate(self, request, context):
         try:
-            async for chunk in self.w.generate(request.request_id, list(request.prompt_token_ids), request.sampling):
+            async for chunk in self.w.generate(request.request_id, list(request.prompt_token_ids), request.sampling,
+                                               list(request.resume_token_ids)):
                 yield chunk
         except WorkerError as e:
             await _fail(context, e)

@@ -1,0 +1,246 @@
+"""Prefill failover, decode migration and liveness in the router, against fake workers.
+
+The fake workers are real grpc.aio servers on 127.0.0.1 speaking the worker API, with a
+deterministic "model" (token i of a request depends only on its prompt and i), so a migrated
+stream can be compared with an uninterrupted one exactly. Faults: a stream that dies
+(UNAVAILABLE) or stalls after k tokens, a Prefill or Stats that never answers. No model, no Ray:
+the real-cluster versions are tests/test_serving_failover.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from proto.pdserve.v1 import api_pb2, worker_pb2, worker_pb2_grpc
+from router.errors import ServiceError
+from router.leg_timeouts import LegTimeouts, WorkRate
+from router.orchestrator import FlowConfig, Orchestrator
+from router.pool import WorkerPool
+from router.registry import StaticRegistry, WorkerEndpoint
+
+FAST = LegTimeouts(floor_s=0.5, slack=2.0, default_s_per_token=0.001, default_gap_s=0.05)
+
+
+def token(prompt: list[int], i: int) -> int:
+    return (sum(prompt) * 7 + i * 13) % 997 + 3
+
+
+class Faults:
+    """Shared by a cluster's workers: the first `streams` streams (any worker) die (UNAVAILABLE)
+    or go silent after `after` tokens."""
+
+    def __init__(self) -> None:
+        self.kind: str | None = None   # "die" | "stall"
+        self.after = 0
+        self.streams = 1
+
+
+class FakeWorker(worker_pb2_grpc.WorkerServicer):
+    """faults: see Faults. stall_prefill / stall_stats: Prefill / Stats never answer."""
+
+    def __init__(self, wid: str, role: str, faults: Faults) -> None:
+        self.wid, self.role, self.faults = wid, role, faults
+        self.stall_prefill = False
+        self.stall_stats = False
+        self.calls: list[tuple[str, str, tuple[int, ...]]] = []  # (rpc, request id, resume tokens)
+        self.reserved: dict[str, list[int]] = {}
+        self.aborted: list[str] = []
+
+    async def Info(self, request, context):
+        return worker_pb2.WorkerInfo(id=self.wid, role=self.role, model_id="fake", max_model_len=4096,
+                                     block_size=16, eos_token_ids=[2])
+
+    async def Stats(self, request, context):
+        if self.stall_stats:
+            await asyncio.sleep(3600)
+        return worker_pb2.WorkerStats(kv_blocks_total=1000, running=0, waiting=0)
+
+    async def ModelFiles(self, request, context):
+        return
+        yield
+
+    async def KvEvents(self, request, context):
+        return worker_pb2.KvEventsResponse(epoch="e", is_snapshot=True, block_size=16)
+
+    async def Reserve(self, request, context):
+        self.calls.append(("Reserve", request.request_id, ()))
+        self.reserved[request.request_id] = list(request.prompt_token_ids)
+        return worker_pb2.ReserveResponse(destination=worker_pb2.KVDestination(worker_id=self.wid, block_ids=[1]))
+
+    async def Prefill(self, request, context):
+        self.calls.append(("Prefill", request.request_id, ()))
+        if self.stall_prefill:
+            await asyncio.sleep(3600)
+        return worker_pb2.PrefillResponse(first_token_id=token(list(request.prompt_token_ids), 0),
+                                          usage=api_pb2.Usage(prompt_tokens=len(request.prompt_token_ids)))
+
+    async def Decode(self, request, context):
+        self.calls.append(("Decode", request.request_id, ()))
+        prompt = self.reserved.pop(request.request_id)
+        async for c in self._stream(context, prompt, 1, 8):
+            yield c
+
+    async def Generate(self, request, context):
+        self.calls.append(("Generate", request.request_id, tuple(request.resume_token_ids)))
+        prompt, resume = list(request.prompt_token_ids), list(request.resume_token_ids)
+        assert resume == [token(prompt, i) for i in range(len(resume))], "resumed tokens are the streamed ones"
+        async for c in self._stream(context, prompt, len(resume), request.sampling.max_tokens):
+            yield c
+
+    async def _stream(self, context, prompt, start, max_tokens):
+        f = self.faults
+        faulty = f.kind is not None and f.streams > 0
+        f.streams -= faulty
+        for i in range(start, max_tokens):
+            if faulty and i >= f.after and f.kind == "die":
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "injected death")
+            if faulty and i >= f.after and f.kind == "stall":
+                await asyncio.sleep(3600)
+            await asyncio.sleep(0.005)
+            last = i == max_tokens - 1
+            chunk = worker_pb2.TokenChunk(token_ids=[token(prompt, i)], finish_reason="length" if last else "")
+            if last:
+                chunk.usage.CopyFrom(api_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=max_tokens))
+            yield chunk
+
+    async def Abort(self, request, context):
+        self.aborted.append(request.request_id)
+        return worker_pb2.AbortResponse(found=True)
+
+    async def Release(self, request, context):
+        return worker_pb2.ReleaseResponse()
+
+
+class Cluster:
+    def __init__(self, roles: list[tuple[str, str]]) -> None:
+        self.roles = roles
+        self.workers: dict[str, FakeWorker] = {}
+        self.servers: list[grpc.aio.Server] = []
+        self.endpoints: list[WorkerEndpoint] = []
+
+    async def __aenter__(self) -> "Cluster":
+        self.faults = Faults()
+        for wid, role in self.roles:
+            server = grpc.aio.server()
+            fake = FakeWorker(wid, role, self.faults)
+            worker_pb2_grpc.add_WorkerServicer_to_server(fake, server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            self.workers[wid], self.servers = fake, [*self.servers, server]
+            self.endpoints.append(WorkerEndpoint(wid, role, f"127.0.0.1:{port}"))
+        self.pool = WorkerPool(StaticRegistry(self.endpoints), poll_interval_s=0.05, rpc_timeout_s=0.3)
+        await self.pool.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.pool.close()
+        for s in self.servers:
+            await s.stop(0)
+
+    def orchestrator(self, **flow) -> Orchestrator:
+        return Orchestrator(self.pool, FlowConfig(leg_timeouts=FAST, **flow))
+
+    async def run(self, orch: Orchestrator, prompt: list[int], max_tokens: int = 8):
+        loop = asyncio.get_running_loop()
+        sampling = api_pb2.SamplingOptions(temperature=0, max_tokens=max_tokens)
+        tokens, usage = [], None
+        async for t in orch.run("r1", prompt, sampling, loop.time() + 30):
+            tokens += t.token_ids
+            usage = t.usage or usage
+        await orch.drain()
+        return tokens, usage
+
+
+PROMPT = list(range(10, 50))
+WANT = [token(PROMPT, i) for i in range(8)]
+
+
+def test_decode_worker_death_mid_stream_migrates_with_the_same_tokens():
+    async def go():
+        async with Cluster([("p0", "prefill"), ("d0", "decode"), ("d1", "decode")]) as c:
+            c.faults.kind, c.faults.after = "die", 3
+            orch = c.orchestrator()
+            got, usage = await c.run(orch, PROMPT)
+            return c, got, usage, orch
+
+    c, got, usage, orch = asyncio.run(go())
+    assert got == WANT and orch.migrations == 1
+    gen = [(w.wid, call) for w in c.workers.values() for call in w.calls if call[0] == "Generate"]
+    died = next(w for w in c.workers.values() if any(k[0] == "Decode" for k in w.calls))
+    assert len(gen) == 1 and gen[0][0] != died.wid, gen
+    assert gen[0][1][2] == tuple(WANT[:3]) and gen[0][1][1] == "r1~1"
+    assert died.aborted == ["r1"]
+    assert usage.recomputed_tokens == len(PROMPT) + 3 and usage.completion_tokens == 8
+
+
+def test_stalled_decode_stream_migrates_within_its_leg_timeout():
+    async def go():
+        async with Cluster([("d0", "agg"), ("d1", "agg")]) as c:
+            c.faults.kind, c.faults.after = "stall", 2
+            orch = c.orchestrator(mode="agg")
+            loop = asyncio.get_running_loop()
+            got, t_stall, waited = [], None, None
+            async for t in orch.run("r1", PROMPT, api_pb2.SamplingOptions(max_tokens=8), loop.time() + 30):
+                got += t.token_ids
+                if len(got) == 2:
+                    t_stall = time.monotonic()
+                if len(got) == 3:
+                    waited = time.monotonic() - t_stall
+            await orch.drain()
+            stalled = next(w for w in c.workers.values() if w.aborted)
+            return got, waited, stalled, c.pool.get(stalled.wid).alive
+
+    got, waited, stalled, alive = asyncio.run(go())
+    assert got == WANT and stalled.aborted == ["r1"]
+    # the bound: floor + slack x the measured gap (5 ms here), plus one stream start
+    assert FAST.floor_s <= waited < FAST.floor_s + 1.0, waited
+
+
+def test_stuck_prefill_is_abandoned_and_prefilled_on_the_decode_worker():
+    async def go():
+        async with Cluster([("p0", "prefill"), ("d0", "decode")]) as c:
+            c.workers["p0"].stall_prefill = True
+            orch = c.orchestrator()
+            start = time.monotonic()
+            got, usage = await c.run(orch, PROMPT)
+            return c, got, usage, time.monotonic() - start, orch
+
+    c, got, usage, took, orch = asyncio.run(go())
+    d, p = c.workers["d0"], c.workers["p0"]
+    assert got == WANT and orch.prefill_failovers >= 1
+    assert [k[0] for k in d.calls] == ["Reserve", "Generate"] and d.calls[1][2] == ()
+    assert p.aborted == ["r1"] and d.aborted == ["r1"]  # the abandoned try: P, then its reservation
+    assert usage.recomputed_tokens == len(PROMPT)
+    assert took < FAST.prefill_s(WorkRate(), 3 * 16) + 1.0, took
+
+
+def test_migration_limit_zero_fails_the_stream():
+    async def go():
+        async with Cluster([("d0", "agg"), ("d1", "agg")]) as c:
+            c.faults.kind, c.faults.after, c.faults.streams = "die", 2, 2
+            with pytest.raises(ServiceError) as e:
+                await c.run(c.orchestrator(mode="agg", migration_limit=0), PROMPT)
+            return e.value
+
+    assert asyncio.run(go()).code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_worker_missing_its_polls_is_suspect_until_it_answers_again():
+    async def go():
+        async with Cluster([("p0", "prefill"), ("d0", "decode")]) as c:
+            p = c.pool.get("p0")
+            c.workers["p0"].stall_stats = True
+            await asyncio.sleep(0.6)
+            suspect, decode_polled = p.alive, c.pool.get("d0").missed_polls
+            # new requests skip it: prefilled on the decode worker, no Prefill call
+            got, _ = await c.run(c.orchestrator(), PROMPT)
+            c.workers["p0"].stall_stats = False
+            await asyncio.sleep(0.6)
+            return suspect, decode_polled, got, p.alive, c.workers["p0"].calls
+
+    suspect, decode_missed, got, back, p_calls = asyncio.run(go())
+    assert suspect is False and decode_missed == 0 and got == WANT and p_calls == [] and back is True
