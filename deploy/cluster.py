@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from engine.spec_decode.config import SpeculativeConfig
 from router.registry import WorkerEndpoint
@@ -71,6 +71,8 @@ class ClusterSpec:
     prefill_resources: tuple[tuple[str, float], ...] = ()
     decode_resources: tuple[tuple[str, float], ...] = ()   # decode and agg workers
     speculative: SpeculativeConfig | None = None
+    # every worker API call must carry it (proto/internal_auth.py); None: the controller makes one
+    internal_secret: str | None = field(default=None, repr=False)
 
     def role_resources(self, role: str) -> dict[str, float]:
         return dict(self.prefill_resources if role == "prefill" else self.decode_resources)
@@ -87,7 +89,7 @@ class ClusterSpec:
                             served_model_name=self.served_model_name, transfer_timeout_s=self.transfer_timeout_s,
                             kv_cache_memory_bytes=self.kv_cache_memory_bytes, dtype=self.dtype,
                             quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
-                            speculative=self.speculative)
+                            speculative=self.speculative, internal_secret=self.internal_secret)
         configs = []
         for role, n in roles:
             for i in range(n):
@@ -191,7 +193,12 @@ class ClusterController:
     def __init__(self, spec: ClusterSpec) -> None:
         import ray
 
+        from proto.internal_auth import new_secret
+
+        if spec.internal_secret is None:
+            spec = replace(spec, internal_secret=new_secret())
         self.spec = spec
+        self.internal_secret: str = spec.internal_secret  # hand it to the routers (RouterConfig.internal_secret)
         self._actor_cls = ray.remote(max_restarts=-1, max_task_retries=0)(WorkerActor)
         self._configs = spec.worker_configs()
         self._actors = {c.worker_id: self._spawn(c) for c in self._configs}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any, Coroutine
 
 from deploy.cluster import ClusterController, ClusterSpec, init_ray
@@ -50,6 +51,8 @@ class LocalServing:
     async def _start(self) -> None:
         self.controller = ClusterController(self.spec)
         await self.controller.start(self._timeout)
+        if self.router_config.internal_secret is None:
+            self.router_config = replace(self.router_config, internal_secret=self.controller.internal_secret)
         self.router = Router(self.make_registry(), self.router_config)
         await self.router.start()
         for _ in range(200):  # until the router has connected to every worker

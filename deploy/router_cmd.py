@@ -1,6 +1,7 @@
 """pdserve router: one more router replica on its own, discovering workers from a Redis registry.
 
-    pdserve router --registry redis://127.0.0.1:6379/0 --port 50061 --http-port 8001
+    pdserve router --registry redis://127.0.0.1:6379/0 --port 50061 --http-port 8001 \
+        --internal-secret-file SECRET   # the file `pdserve serve --internal-secret-file SECRET` wrote
 
 Also the routing options shared with `pdserve serve` (``routing_config``, ``check_registry``), checked
 before anything starts (a bad value is a one-line error naming the option, exit status 2).
@@ -11,6 +12,9 @@ the others' in-flight load is at most one poll interval stale; its own dispatche
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
 
 from engine.errors import UserError
@@ -19,6 +23,8 @@ POLICY_HELP = "Worker choice: kv (prefix overlap against load) | load | round-ro
 TEMPERATURE_HELP = "Softmax temperature of the kv cost (0: lowest cost, ties at random)."
 WEIGHT_HELP = "w of the kv cost: one uncached prefill block counts as w decode blocks."
 REGISTRY_HELP = "Worker registry, redis://HOST:PORT/DB (default: in-process, no Redis)."
+SECRET_HELP = ("File holding the cluster's internal secret: every worker API call carries it, a process "
+               "without it cannot Reserve, Prefill, Decode or Abort.")
 MIGRATION_HELP = ("Times one request may move to another decode-capable worker when its worker dies or stalls "
                   "mid-stream (prompt + streamed tokens recomputed there, same client stream); 0: off.")
 
@@ -31,6 +37,27 @@ def routing_config(policy: str, temperature: float, overlap_weight: float = 2.0)
         return RoutingConfig(policy=policy, temperature=temperature, overlap_weight=overlap_weight)
     except ValueError as e:
         raise UserError(str(e)) from None
+
+
+def internal_secret(path, create: bool = False) -> str | None:
+    """The cluster's internal secret: $PDSERVE_INTERNAL_SECRET, else the --internal-secret-file
+    (serve creates it when missing), else None (serve: the controller makes one; router: an error
+    later, when the workers refuse it). Raises UserError naming the option."""
+    import os
+
+    from proto.internal_auth import ENV_VAR, resolve_secret
+
+    if os.environ.get(ENV_VAR):
+        return os.environ[ENV_VAR]
+    if path is None:
+        return None
+    if not create and not os.path.exists(path):
+        raise UserError(f"--internal-secret-file: {str(path)!r} does not exist (pdserve serve creates it)")
+    try:
+        return resolve_secret(str(path))
+    except (OSError, ValueError) as e:
+        raise UserError(f"--internal-secret-file: cannot use {str(path)!r}: {getattr(e, 'strerror', None) or e}") \
+            from None
 
 
 def check_registry(url: str) -> str | None:
@@ -60,6 +87,7 @@ def command(
     max_waiting: int = typer.Option(256, help="More waiting requests than this: RESOURCE_EXHAUSTED."),
     drain_seconds: float = typer.Option(30.0, help="Grace period for in-flight requests at shutdown."),
     migration_limit: int = typer.Option(3, min=0, help=MIGRATION_HELP),
+    internal_secret_file: Optional[Path] = typer.Option(None, help=SECRET_HELP + " Default: $PDSERVE_INTERNAL_SECRET."),
 ) -> None:
     """pdserve router: one more router replica for a cluster that registers in Redis."""
     import asyncio
@@ -74,7 +102,8 @@ def command(
     config = RouterConfig(host=host, port=port, http_port=None if http_port < 0 else http_port,
                           metrics_port=None if metrics_port < 0 else metrics_port, mode=mode,
                           local_prefill_threshold=local_prefill_threshold, max_waiting=max_waiting,
-                          drain_grace_s=drain_seconds, migration_limit=migration_limit, routing=routing_config(router_policy, router_temperature,
+                          drain_grace_s=drain_seconds, migration_limit=migration_limit,
+                          internal_secret=internal_secret(internal_secret_file), routing=routing_config(router_policy, router_temperature,
                                                         kv_overlap_score_weight))
     asyncio.run(_run(url, config))
 

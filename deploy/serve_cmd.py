@@ -83,6 +83,9 @@ def command(
                                           rich_help_panel=ROUTER),
     max_body_bytes: int = typer.Option(16 * 1024 * 1024, min=1, help="A larger HTTP request body is answered 413.",
                                        rich_help_panel=ROUTER),
+    internal_secret_file: Optional[Path] = typer.Option(None, help=router_cmd.SECRET_HELP + " Created with a random "
+                                                        "secret if missing; default: $PDSERVE_INTERNAL_SECRET, else a "
+                                                        "new random one.", rich_help_panel=CLUSTER),
     max_waiting: int = typer.Option(256, min=0, help="More waiting requests than this: RESOURCE_EXHAUSTED (429).",
                                     rich_help_panel=ROUTER),
     worker_poll_interval: float = typer.Option(0.2, min=0.01, help="Seconds between the router's polls of the "
@@ -167,6 +170,7 @@ def command(
     if mode == "disagg" and prefill < 1:
         raise UserError("--prefill must be >= 1 in disagg mode")
     _check_readable(chat_template, "--chat-template")
+    internal_secret = router_cmd.internal_secret(internal_secret_file, create=True)
     if generation_config not in ("auto", "vllm"):
         _check_readable(Path(generation_config) / "generation_config.json", "--generation-config")
     num_prefill = prefill if mode == "disagg" else 0
@@ -189,7 +193,7 @@ def command(
                        transfer_timeout_s=transfer_timeout, worker_start_timeout_s=worker_start_timeout,
                        prefill_resources=parse_resources(prefill_resources, "--prefill-resources"),
                        decode_resources=parse_resources(decode_resources, "--decode-resources"),
-                       registry_url=registry_url, speculative=speculative)
+                       registry_url=registry_url, speculative=speculative, internal_secret=internal_secret)
     router = RouterConfig(host=host, port=port, http_port=None if http_port < 0 else http_port,
                           metrics_port=spec.metrics_port, mode=mode, local_prefill_threshold=local_prefill_threshold,
                           max_waiting=max_waiting, drain_grace_s=drain_seconds, served_model_name=served_model_name,
@@ -199,7 +203,8 @@ def command(
                           prefill_attempts=prefill_attempts, abort_timeout_s=abort_timeout,
                           migration_limit=migration_limit,
                           worker_poll_interval_s=worker_poll_interval, worker_rpc_timeout_s=worker_rpc_timeout,
-                          routing=routing, api_key=api_key or None, max_body_bytes=max_body_bytes)
+                          routing=routing, api_key=api_key or None, max_body_bytes=max_body_bytes,
+                          internal_secret=internal_secret)
     print(f"pdserve: {rt.describe()}", flush=True)
     scaling = scaling_options(autoscale, slo, profile, planner_interval, min_prefill, max_prefill, min_decode,
                               max_decode, admin_port, mode, metrics_port)

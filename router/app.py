@@ -68,6 +68,7 @@ class RouterConfig:
     worker_rpc_timeout_s: float = RPC_TIMEOUT_S
     routing: RoutingConfig = RoutingConfig()   # --router-policy, --router-temperature
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # --max-body-bytes: a larger HTTP body is a 413
+    internal_secret: str | None = field(default=None, repr=False)  # the workers' API secret (proto/internal_auth.py)
     api_key: str | None = field(default=None, repr=False)  # --api-key / $PDSERVE_API_KEY: public HTTP and gRPC need it (router/auth.py)
 
     def flow(self) -> FlowConfig:
@@ -93,7 +94,7 @@ class Router:
         self.index = PrefixIndex()
         self.kv_sync = KvEventSync(self.index)
         self.pool = WorkerPool(registry, config.worker_poll_interval_s, config.worker_rpc_timeout_s,
-                               kv_sync=self.kv_sync)
+                               kv_sync=self.kv_sync, internal_secret=config.internal_secret)
         self.kv_consumer = None
         if hasattr(registry, "client") and hasattr(registry, "connected"):  # a RedisRegistry
             from router.kv_sync import RedisKvConsumer

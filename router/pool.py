@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from proto.internal_auth import client_interceptors
 from proto.model_files import join_chunks
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from router.leg_timeouts import WorkRate
@@ -70,8 +71,9 @@ class WorkerHandle:
 
 class WorkerPool:
     def __init__(self, registry: Registry, poll_interval_s: float = 0.2, rpc_timeout_s: float = RPC_TIMEOUT_S,
-                 kv_sync=None) -> None:
+                 kv_sync=None, internal_secret: str | None = None) -> None:
         self._registry = registry
+        self._interceptors = client_interceptors(internal_secret)  # every call carries the cluster's secret
         self.kv_sync = kv_sync
         self.kv_events_pushed = lambda: False  # set by the router when a Redis consumer runs
         self._poll_s = poll_interval_s
@@ -157,7 +159,7 @@ class WorkerPool:
             await self.refresh(wait=False)
 
     async def _connect(self, e: WorkerEndpoint) -> None:
-        channel = grpc.aio.insecure_channel(e.address)
+        channel = grpc.aio.insecure_channel(e.address, interceptors=self._interceptors)
         stub = worker_pb2_grpc.WorkerStub(channel)
         try:
             info = await stub.Info(worker_pb2.InfoRequest(), timeout=self._rpc_timeout_s)

@@ -215,7 +215,8 @@ def test_two_routers_serve_the_same_cluster_and_one_survives_the_other(cluster):
     from router.redis_registry import RedisRegistry
 
     async def start_second() -> Router:
-        r = Router(RedisRegistry(cluster.spec.registry_url), RouterConfig(port=0, http_port=None, mode="agg"))
+        r = Router(RedisRegistry(cluster.spec.registry_url), RouterConfig(
+            port=0, http_port=None, mode="agg", internal_secret=cluster.controller.internal_secret))
         await r.start()
         for _ in range(100):
             if r.ready() and len(r.pool.workers()) == 2:

@@ -167,13 +167,15 @@ def test_bad_input_gets_invalid_argument_naming_the_field(serving, fields, name)
 
 def test_workers_check_again_and_refuse_bad_requests(serving):
     """A request that skips the router's checks is refused by the worker itself, before any work."""
+    from proto.internal_auth import call_metadata
     from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
     for w in serving.router.pool.workers():
         stub = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(w.endpoint.address))
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(worker_pb2.WorkerGenerateRequest(
-                request_id="bad-1", prompt_token_ids=[1, 2], sampling=api_pb2.SamplingOptions(top_p=2.0)), timeout=10))
+                request_id="bad-1", prompt_token_ids=[1, 2], sampling=api_pb2.SamplingOptions(top_p=2.0)), timeout=10,
+                metadata=call_metadata(serving.controller.internal_secret)))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in e.value.details()
     assert_idle(serving)
 
@@ -184,7 +186,8 @@ def test_too_many_waiting_gets_resource_exhausted(serving):
 
     async def run() -> list:
         router = Router(CallableRegistry(serving.controller.list_workers),
-                        RouterConfig(port=0, http_port=None, mode="disagg", max_waiting=2))
+                        RouterConfig(port=0, http_port=None, mode="disagg", max_waiting=2,
+                                     internal_secret=serving.controller.internal_secret))
         ep = await router.start()
         try:
             async with grpc.aio.insecure_channel(ep.grpc) as ch:
@@ -219,7 +222,8 @@ def test_no_prefill_worker_alive_prefills_on_the_decode_worker(serving):
         return [w for w in await serving.controller.list_workers() if w.role == "decode"]
 
     async def run():
-        router = Router(CallableRegistry(decode_only), RouterConfig(port=0, http_port=0, mode="disagg"))
+        router = Router(CallableRegistry(decode_only), RouterConfig(
+            port=0, http_port=0, mode="disagg", internal_secret=serving.controller.internal_secret))
         ep = await router.start()
         try:
             async with grpc.aio.insecure_channel(ep.grpc) as ch:
@@ -326,7 +330,8 @@ def test_short_prompts_are_prefilled_on_the_decode_worker(serving):
 
     async def run() -> tuple[str, int]:
         router = Router(CallableRegistry(serving.controller.list_workers),
-                        RouterConfig(port=0, http_port=None, mode="disagg", local_prefill_threshold=64))
+                        RouterConfig(port=0, http_port=None, mode="disagg", local_prefill_threshold=64,
+                                     internal_secret=serving.controller.internal_secret))
         ep = await router.start()
         calls = {"n": 0}
         orig = router.orchestrator._prefill_with_retry

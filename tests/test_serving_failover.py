@@ -141,3 +141,24 @@ def test_decode_worker_sigkill_at_half_load_migrates_with_equal_texts(serving):
     s.call(s.router.orchestrator.drain(), 120)
     assert_idle(s, 60)
 
+
+
+def test_worker_api_without_the_cluster_secret_is_refused(serving):
+    """A process on the host that does not have the cluster's secret cannot Reserve, Prefill or
+    Abort on a real worker (UNAUTHENTICATED); the router, which has it, is served."""
+    from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+    sampling = api_pb2.SamplingOptions(max_tokens=2)
+    by_role = {w.endpoint.role: w.endpoint.address for w in serving.router.pool.workers()}
+    decode = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(by_role["decode"]))
+    prefill = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(by_role["prefill"]))
+    calls = [lambda: decode.Reserve(worker_pb2.ReserveRequest(request_id="intruder", prompt_token_ids=[1, 2, 3],
+                                                              sampling=sampling, lease_seconds=5), timeout=10),
+             lambda: prefill.Prefill(worker_pb2.PrefillRequest(request_id="intruder", prompt_token_ids=[1, 2, 3],
+                                                               sampling=sampling), timeout=10),
+             lambda: decode.Abort(worker_pb2.AbortRequest(request_id="intruder"), timeout=10)]
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert_idle(serving)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -70,6 +70,7 @@ class WorkerConfig:
     batching: str = "continuous"           # --batching: continuous | static (HF generate style, for comparison)
     served_model_name: str | None = None   # the model id reported to the router (None = `model`)
     speculative: SpeculativeConfig | None = None  # decode and agg engines speculate; in the compat key for all
+    internal_secret: str | None = field(default=None, repr=False)  # the worker API needs it (proto/internal_auth.py)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "agg"):

@@ -7,17 +7,28 @@ address. Which role class to build is chosen above the roles (deploy/worker_proc
 package never imports a role package. RPCs a role does not serve answer FAILED_PRECONDITION.
 Worker failures become gRPC statuses; a handler cancelled by the router (cancel, disconnect,
 deadline) aborts the request on the engine.
+
+With a secret (WorkerConfig.internal_secret) every Worker call must carry it (proto/internal_auth.py).
+Health (grpc.health.v1, open) says SERVING while the engine can run. When the engine's step loop
+has died (a model/runtime failure), the worker goes NOT_SERVING, answers Stats UNAVAILABLE (the
+router stops choosing it at its next poll) and, after ENGINE_DEATH_GRACE_S for in-flight streams
+to end with their error, exits the process (`on_engine_death`, default os._exit(1)) so Ray
+restarts it with a fresh engine; it never keeps attracting requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from worker.core import WorkerConfig, WorkerCore, WorkerError
+from proto.internal_auth import InternalSecretInterceptor
 from proto.model_files import file_chunks
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -36,6 +47,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return self.w.info()
 
     async def Stats(self, request, context):
+        dead = getattr(self.w.engine, "dead", None)
+        if dead is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine loop died: {dead!r}; restarting")
         return self.w.worker_stats()
 
     async def ModelFiles(self, request, context):
@@ -92,13 +106,25 @@ async def _fail(context, e: WorkerError):
     await context.abort(e.code, e.message)
 
 
+ENGINE_WATCH_S = 0.5        # how often the server checks that the engine loop lives
+ENGINE_DEATH_GRACE_S = 1.0  # then in-flight streams have this long to end before the process exits
+
+
+def _exit_process() -> None:
+    os._exit(1)  # no cleanup: the engine is broken; Ray restarts the actor's process
+
+
 @dataclass
 class WorkerServer:
     worker: WorkerCore
     server: grpc.aio.Server
     address: str
+    health: health.aio.HealthServicer | None = None
+    watchdog: asyncio.Task | None = None
 
     async def stop(self, grace_s: float = 5.0) -> None:
+        if self.watchdog is not None:
+            self.watchdog.cancel()
         await self.server.stop(grace_s)
         await self.worker.close()
         transport = getattr(self.worker, "transport", None)
@@ -159,13 +185,33 @@ def create_kv_transport(config: WorkerConfig, runner):
     return transport, transport.register_cache(runner.kv_cache, compat)
 
 
-async def serve(worker: WorkerCore, host: str, port: int) -> WorkerServer:
-    """Start the built worker's background tasks and its gRPC server; returns the running server."""
+async def serve(worker: WorkerCore, host: str, port: int, secret: str | None = None,
+                on_engine_death: Callable[[], None] = _exit_process) -> WorkerServer:
+    """Start the built worker's background tasks and its gRPC server; returns the running server.
+    secret: the cluster's internal secret every Worker call must carry (None: no check);
+    on_engine_death: called once the engine loop died and the grace period passed."""
     await worker.start()
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    interceptors = [InternalSecretInterceptor(secret)] if secret else []
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind the worker on {host}:{port}")
     await server.start()
-    return WorkerServer(worker, server, f"{host}:{bound}")
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    running = WorkerServer(worker, server, f"{host}:{bound}", health_servicer)
+    running.watchdog = asyncio.create_task(_watch_engine(running, on_engine_death))
+    return running
+
+
+async def _watch_engine(running: WorkerServer, on_engine_death: Callable[[], None]) -> None:
+    """NOT_SERVING, then exit, once the engine's step loop has died."""
+    while getattr(running.worker.engine, "dead", None) is None:
+        await asyncio.sleep(ENGINE_WATCH_S)
+    log.error("worker %s: engine loop died (%r): NOT_SERVING, exiting in %.1f s so it is restarted",
+              running.worker.config.worker_id, running.worker.engine.dead, ENGINE_DEATH_GRACE_S)
+    await running.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    await asyncio.sleep(ENGINE_DEATH_GRACE_S)
+    on_engine_death()
