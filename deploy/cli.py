@@ -23,6 +23,7 @@ from bench import quant as bench_quant
 from bench import peers as bench_peers
 from bench import profile as bench_profile
 from bench import serve as bench_serve
+from bench import soak as bench_soak
 from bench import spec as bench_spec
 from deploy import generate_cmd, plan_cmd, router_cmd, scale_cmd, serve_cmd, status_cmd
 from engine.errors import UserError
@@ -54,6 +55,7 @@ bench_app.command("peers")(bench_peers.command)
 bench_app.command("gpu-check")(bench_gpu_check.command)
 bench_app.command("spec")(bench_spec.command)
 bench_app.command("ablate")(bench_ablate.command)
+bench_app.command("soak")(bench_soak.command)
 eval_app.command("ppl")(eval_perplexity.command)
 
 

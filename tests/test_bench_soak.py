@@ -1,0 +1,45 @@
+"""bench/soak.py's analysis (pure, synthetic runs) and its flag checks; the soak itself is a
+benchmark (`pdserve bench soak`), not a test."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.soak import RequestRecord, Sample, SoakConfig, SoakRun, goals, goals_table
+from engine.errors import UserError
+
+
+def _run() -> SoakRun:
+    c = SoakConfig(duration_s=100, warmup_s=10, kill_interval_s=50)
+    run = SoakRun(c, kills=[(50.0, "decode-1", 123)])
+    for t in range(0, 100, 2):
+        during = 50 <= t < 80
+        run.requests.append(RequestRecord(float(t), "ok", 0.9 if during else 0.4, 16, 2.0))
+    run.requests += [RequestRecord(5.0, "cancelled", None, 0, 1.0), RequestRecord(60.0, "UNAVAILABLE", None, 3, 1.0)]
+    for t in range(0, 101, 10):
+        rss = {"router:1": 500.0, "decode-0:7": 1000.0 + t}
+        if t < 50:
+            rss["decode-1:123"] = 1000.0
+        run.samples.append(Sample(float(t), rss, {"decode-0": 0}, {}))
+    run.idle_after_s, run.leaked = 0.5, {"decode-0": 0, "decode-1": 0}
+    return run
+
+
+def test_goals_from_a_synthetic_run():
+    g = goals(_run())
+    assert g["lost"] == {"value": 1, "by_code": {"UNAVAILABLE": 1}, "met": False}
+    assert g["leaked_blocks"]["met"] and g["leaked_blocks"]["value"] == 0
+    # decode-0 grew 1010 -> 1100 MiB (+8.9 %); decode-1 lived too short after warm-up to count
+    assert set(g["rss_drift_pct"]["per_process"]) == {"router:1", "decode-0:7"}
+    assert g["rss_drift_pct"]["value"] == pytest.approx(100 * 90 / 1010) and g["rss_drift_pct"]["met"]
+    t = g["p99_ttft_kill_vs_steady"]
+    assert t["kill_s"] == 0.9 and t["steady_s"] == 0.4 and t["ratio"] == pytest.approx(2.25) and t["met"]
+    table = goals_table(g)
+    assert "lost requests" in table and "NO" in table
+
+
+@pytest.mark.parametrize("kw", [{"duration_s": 0}, {"warmup_s": 2000}, {"cancel_fraction": 1.5},
+                                {"mode": "x"}, {"num_prefill": 0}])
+def test_bad_soak_flags_are_a_usage_error(kw):
+    with pytest.raises(UserError):
+        SoakConfig(**kw)
