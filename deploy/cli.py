@@ -23,7 +23,7 @@ from bench import quant as bench_quant
 from bench import peers as bench_peers
 from bench import profile as bench_profile
 from bench import serve as bench_serve
-from bench import soak as bench_soak
+from deploy import bench_soak
 from bench import spec as bench_spec
 from deploy import generate_cmd, plan_cmd, router_cmd, scale_cmd, serve_cmd, status_cmd
 from engine.errors import UserError

@@ -1,11 +1,11 @@
-"""bench/soak.py's analysis (pure, synthetic runs) and its flag checks; the soak itself is a
+"""deploy/bench_soak.py's analysis (pure, synthetic runs) and its flag checks; the soak itself is a
 benchmark (`pdserve bench soak`), not a test."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.soak import RequestRecord, Sample, SoakConfig, SoakRun, goals, goals_table
+from deploy.bench_soak import RequestRecord, Sample, SoakConfig, SoakRun, goals, goals_table
 from engine.errors import UserError
 
 
