@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 from engine.spec_decode.config import SpeculativeConfig
+from proto.tls import TlsFiles
 from router.registry import WorkerEndpoint
 from worker.core import WorkerConfig
 
@@ -73,6 +74,7 @@ class ClusterSpec:
     speculative: SpeculativeConfig | None = None
     # every worker API call must carry it (proto/internal_auth.py); None: the controller makes one
     internal_secret: str | None = field(default=None, repr=False)
+    internal_tls: TlsFiles | None = None   # every worker serves its API over TLS (proto/tls.py)
 
     def role_resources(self, role: str) -> dict[str, float]:
         return dict(self.prefill_resources if role == "prefill" else self.decode_resources)
@@ -89,7 +91,8 @@ class ClusterSpec:
                             served_model_name=self.served_model_name, transfer_timeout_s=self.transfer_timeout_s,
                             kv_cache_memory_bytes=self.kv_cache_memory_bytes, dtype=self.dtype,
                             quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
-                            speculative=self.speculative, internal_secret=self.internal_secret)
+                            speculative=self.speculative, internal_secret=self.internal_secret,
+                            tls=self.internal_tls)
         configs = []
         for role, n in roles:
             for i in range(n):

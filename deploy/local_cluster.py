@@ -53,6 +53,8 @@ class LocalServing:
         await self.controller.start(self._timeout)
         if self.router_config.internal_secret is None:
             self.router_config = replace(self.router_config, internal_secret=self.controller.internal_secret)
+        if self.router_config.internal_tls is None and self.spec.internal_tls is not None:
+            self.router_config = replace(self.router_config, internal_tls=self.spec.internal_tls)
         self.router = Router(self.make_registry(), self.router_config)
         await self.router.start()
         for _ in range(200):  # until the router has connected to every worker

@@ -25,6 +25,8 @@ WEIGHT_HELP = "w of the kv cost: one uncached prefill block counts as w decode b
 REGISTRY_HELP = "Worker registry, redis://HOST:PORT/DB (default: in-process, no Redis)."
 SECRET_HELP = ("File holding the cluster's internal secret: every worker API call carries it, a process "
                "without it cannot Reserve, Prefill, Decode or Abort.")
+TLS_HELP = "Certificate (PEM) to serve the public gRPC and HTTP APIs over TLS (needs --tls-key)."
+INTERNAL_CA_HELP = "CA (PEM) the workers' --internal-tls-cert is verified against (default: that certificate)."
 MIGRATION_HELP = ("Times one request may move to another decode-capable worker when its worker dies or stalls "
                   "mid-stream (prompt + streamed tokens recomputed there, same client stream); 0: off.")
 
@@ -60,6 +62,16 @@ def internal_secret(path, create: bool = False) -> str | None:
             from None
 
 
+def tls_files(cert, key, ca, prefix: str):
+    """proto.tls.TlsFiles from the flags (None when not given); raises UserError naming the flag."""
+    from proto.tls import TlsFiles
+
+    try:
+        return TlsFiles.from_flags(cert and str(cert), key and str(key), ca and str(ca), prefix)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
 def check_registry(url: str) -> str | None:
     """The --registry URL checked, or None when not given; raises UserError naming the option."""
     if not url:
@@ -88,6 +100,10 @@ def command(
     drain_seconds: float = typer.Option(30.0, help="Grace period for in-flight requests at shutdown."),
     migration_limit: int = typer.Option(3, min=0, help=MIGRATION_HELP),
     internal_secret_file: Optional[Path] = typer.Option(None, help=SECRET_HELP + " Default: $PDSERVE_INTERNAL_SECRET."),
+    tls_cert: Optional[Path] = typer.Option(None, help=TLS_HELP),
+    tls_key: Optional[Path] = typer.Option(None, help="Private key (PEM) of --tls-cert."),
+    internal_tls_ca: Optional[Path] = typer.Option(None, help="CA (PEM) to verify the workers' TLS certificate; "
+                                                   "set when the cluster runs with --internal-tls-cert."),
 ) -> None:
     """pdserve router: one more router replica for a cluster that registers in Redis."""
     import asyncio
@@ -103,7 +119,9 @@ def command(
                           metrics_port=None if metrics_port < 0 else metrics_port, mode=mode,
                           local_prefill_threshold=local_prefill_threshold, max_waiting=max_waiting,
                           drain_grace_s=drain_seconds, migration_limit=migration_limit,
-                          internal_secret=internal_secret(internal_secret_file), routing=routing_config(router_policy, router_temperature,
+                          internal_secret=internal_secret(internal_secret_file),
+                          tls=tls_files(tls_cert, tls_key, None, "--tls"),
+                          internal_tls=None if internal_tls_ca is None else _ca_only(internal_tls_ca), routing=routing_config(router_policy, router_temperature,
                                                         kv_overlap_score_weight))
     asyncio.run(_run(url, config))
 
@@ -129,3 +147,14 @@ async def _run(url: str, config) -> None:
     finally:
         await router.stop()
         print("pdserve router: stopped", flush=True)
+
+
+def _ca_only(ca):
+    """A router verifies the workers' certificate with the CA alone (it serves no worker API)."""
+    from proto.tls import TlsFiles
+
+    try:
+        open(ca, "rb").close()
+    except OSError as e:
+        raise UserError(f"--internal-tls-ca: cannot read {str(ca)!r}: {e.strerror}") from None
+    return TlsFiles(cert_file=str(ca), key_file="", ca_file=str(ca))

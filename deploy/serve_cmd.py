@@ -83,6 +83,14 @@ def command(
                                           rich_help_panel=ROUTER),
     max_body_bytes: int = typer.Option(16 * 1024 * 1024, min=1, help="A larger HTTP request body is answered 413.",
                                        rich_help_panel=ROUTER),
+    tls_cert: Optional[Path] = typer.Option(None, help=router_cmd.TLS_HELP, rich_help_panel=NET),
+    tls_key: Optional[Path] = typer.Option(None, help="Private key (PEM) of --tls-cert.", rich_help_panel=NET),
+    internal_tls_cert: Optional[Path] = typer.Option(None, help="Certificate (PEM) every worker serves its API "
+                                                     "with; routers verify it (needs --internal-tls-key).",
+                                                     rich_help_panel=NET),
+    internal_tls_key: Optional[Path] = typer.Option(None, help="Private key (PEM) of --internal-tls-cert.",
+                                                    rich_help_panel=NET),
+    internal_tls_ca: Optional[Path] = typer.Option(None, help=router_cmd.INTERNAL_CA_HELP, rich_help_panel=NET),
     internal_secret_file: Optional[Path] = typer.Option(None, help=router_cmd.SECRET_HELP + " Created with a random "
                                                         "secret if missing; default: $PDSERVE_INTERNAL_SECRET, else a "
                                                         "new random one.", rich_help_panel=CLUSTER),
@@ -171,6 +179,8 @@ def command(
         raise UserError("--prefill must be >= 1 in disagg mode")
     _check_readable(chat_template, "--chat-template")
     internal_secret = router_cmd.internal_secret(internal_secret_file, create=True)
+    tls = router_cmd.tls_files(tls_cert, tls_key, None, "--tls")
+    internal_tls = router_cmd.tls_files(internal_tls_cert, internal_tls_key, internal_tls_ca, "--internal-tls")
     if generation_config not in ("auto", "vllm"):
         _check_readable(Path(generation_config) / "generation_config.json", "--generation-config")
     num_prefill = prefill if mode == "disagg" else 0
@@ -193,7 +203,8 @@ def command(
                        transfer_timeout_s=transfer_timeout, worker_start_timeout_s=worker_start_timeout,
                        prefill_resources=parse_resources(prefill_resources, "--prefill-resources"),
                        decode_resources=parse_resources(decode_resources, "--decode-resources"),
-                       registry_url=registry_url, speculative=speculative, internal_secret=internal_secret)
+                       registry_url=registry_url, speculative=speculative, internal_secret=internal_secret,
+                       internal_tls=internal_tls)
     router = RouterConfig(host=host, port=port, http_port=None if http_port < 0 else http_port,
                           metrics_port=spec.metrics_port, mode=mode, local_prefill_threshold=local_prefill_threshold,
                           max_waiting=max_waiting, drain_grace_s=drain_seconds, served_model_name=served_model_name,
@@ -204,7 +215,7 @@ def command(
                           migration_limit=migration_limit,
                           worker_poll_interval_s=worker_poll_interval, worker_rpc_timeout_s=worker_rpc_timeout,
                           routing=routing, api_key=api_key or None, max_body_bytes=max_body_bytes,
-                          internal_secret=internal_secret)
+                          internal_secret=internal_secret, tls=tls, internal_tls=internal_tls)
     print(f"pdserve: {rt.describe()}", flush=True)
     scaling = scaling_options(autoscale, slo, profile, planner_interval, min_prefill, max_prefill, min_decode,
                               max_decode, admin_port, mode, metrics_port)

@@ -39,4 +39,4 @@ def build_worker(config: WorkerConfig) -> WorkerCore:
 async def start_worker(config: WorkerConfig) -> WorkerServer:
     """Build the worker (in a thread: loading is slow) and serve it on config.host:config.port."""
     worker = await asyncio.to_thread(build_worker, config)
-    return await serve(worker, config.host, config.port, config.internal_secret)
+    return await serve(worker, config.host, config.port, config.internal_secret, tls=config.tls)

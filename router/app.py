@@ -24,6 +24,7 @@ from router.grpc_server import NOT_SERVING, SERVICE_NAME, SERVING, build_server
 from router.body_limit import DEFAULT_MAX_BODY_BYTES
 from router.http_server import build_app
 from router.kv_sync import KvEventSync
+from proto.tls import TlsFiles
 from router.leg_timeouts import LegTimeouts
 from router.metrics import RouterMetrics, serve_metrics
 from router.orchestrator import FlowConfig, Orchestrator
@@ -69,6 +70,8 @@ class RouterConfig:
     routing: RoutingConfig = RoutingConfig()   # --router-policy, --router-temperature
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # --max-body-bytes: a larger HTTP body is a 413
     internal_secret: str | None = field(default=None, repr=False)  # the workers' API secret (proto/internal_auth.py)
+    tls: TlsFiles | None = None           # --tls-cert/--tls-key: public gRPC and HTTPS (proto/tls.py)
+    internal_tls: TlsFiles | None = None  # the workers serve TLS; verified against its CA
     api_key: str | None = field(default=None, repr=False)  # --api-key / $PDSERVE_API_KEY: public HTTP and gRPC need it (router/auth.py)
 
     def flow(self) -> FlowConfig:
@@ -94,7 +97,8 @@ class Router:
         self.index = PrefixIndex()
         self.kv_sync = KvEventSync(self.index)
         self.pool = WorkerPool(registry, config.worker_poll_interval_s, config.worker_rpc_timeout_s,
-                               kv_sync=self.kv_sync, internal_secret=config.internal_secret)
+                               kv_sync=self.kv_sync, internal_secret=config.internal_secret,
+                               internal_tls=config.internal_tls)
         self.kv_consumer = None
         if hasattr(registry, "client") and hasattr(registry, "connected"):  # a RedisRegistry
             from router.kv_sync import RedisKvConsumer
@@ -121,7 +125,7 @@ class Router:
         if self.kv_consumer is not None:
             self.kv_consumer.start()
         self._grpc, self._health, grpc_port = build_server(self.service, self.cluster_status, c.host, c.port,
-                                                                   c.api_key)
+                                                           c.api_key, c.tls)
         await self._grpc.start()
         http = await self._start_http() if c.http_port is not None else None
         metrics = f"{c.host}:{serve_metrics(self.metrics.registry, c.metrics_port, c.host)}" \
@@ -133,7 +137,9 @@ class Router:
     async def _start_http(self) -> str:
         config = uvicorn.Config(build_app(self.service, self.metrics.registry, self.config.api_key,
                                           self.config.max_body_bytes), host=self.config.host, port=self.config.http_port,
-                                log_level="warning", lifespan="off")
+                                log_level="warning", lifespan="off",
+                                ssl_certfile=self.config.tls.cert_file if self.config.tls else None,
+                                ssl_keyfile=self.config.tls.key_file if self.config.tls else None)
         self._uvicorn = uvicorn.Server(config)
         self._http_task = asyncio.create_task(self._uvicorn.serve())
         while not self._uvicorn.started:

@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from proto.chat import ChatMessage
 from proto.pdserve.v1 import api_pb2, api_pb2_grpc
 from proto.sampling import InvalidRequest, from_wire
+from proto.tls import TlsFiles, add_port
 from router import fanout
 from router.auth import ApiKeyInterceptor
 from router.errors import ServiceError
@@ -113,17 +114,18 @@ def _add_generation_prompt(chat: api_pb2.ChatMessages) -> bool:
     return True if not chat.HasField("add_generation_prompt") else chat.add_generation_prompt
 
 
-def build_server(service: RouterService, status_fn, host: str, port: int, api_key: str | None = None
-                 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+def build_server(service: RouterService, status_fn, host: str, port: int, api_key: str | None = None,
+                 tls: TlsFiles | None = None) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """The aio server with Generation, health and reflection; returns (server, health servicer, bound port).
-    api_key: when set, Generation calls need metadata `authorization: Bearer KEY` (router/auth.py)."""
+    api_key: when set, Generation calls need metadata `authorization: Bearer KEY` (router/auth.py).
+    tls: serve over TLS with these files (proto/tls.py)."""
     interceptors = [ApiKeyInterceptor(api_key, frozenset({SERVICE_NAME}))] if api_key is not None else []
     server = grpc.aio.server(interceptors=interceptors)
     api_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service, status_fn), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", tls)
     if bound == 0:
         raise OSError(f"cannot bind gRPC on {host}:{port}")
     return server, health_servicer, bound

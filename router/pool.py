@@ -27,6 +27,7 @@ import grpc
 
 from proto.internal_auth import client_interceptors
 from proto.model_files import join_chunks
+from proto.tls import TlsFiles
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from router.leg_timeouts import WorkRate
 from router.registry import Registry, WorkerEndpoint
@@ -71,8 +72,9 @@ class WorkerHandle:
 
 class WorkerPool:
     def __init__(self, registry: Registry, poll_interval_s: float = 0.2, rpc_timeout_s: float = RPC_TIMEOUT_S,
-                 kv_sync=None, internal_secret: str | None = None) -> None:
+                 kv_sync=None, internal_secret: str | None = None, internal_tls: TlsFiles | None = None) -> None:
         self._registry = registry
+        self._tls = internal_tls.channel_credentials() if internal_tls else None  # workers serve TLS
         self._interceptors = client_interceptors(internal_secret)  # every call carries the cluster's secret
         self.kv_sync = kv_sync
         self.kv_events_pushed = lambda: False  # set by the router when a Redis consumer runs
@@ -159,7 +161,8 @@ class WorkerPool:
             await self.refresh(wait=False)
 
     async def _connect(self, e: WorkerEndpoint) -> None:
-        channel = grpc.aio.insecure_channel(e.address, interceptors=self._interceptors)
+        channel = grpc.aio.secure_channel(e.address, self._tls, interceptors=self._interceptors) if self._tls \
+            else grpc.aio.insecure_channel(e.address, interceptors=self._interceptors)
         stub = worker_pb2_grpc.WorkerStub(channel)
         try:
             info = await stub.Info(worker_pb2.InfoRequest(), timeout=self._rpc_timeout_s)

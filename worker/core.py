@@ -20,6 +20,7 @@ from engine.errors import EngineDeadError
 from engine.scheduler import CapacityError
 from engine.spec_decode.config import SpeculativeConfig
 from proto.kv_events import encode_record
+from proto.tls import TlsFiles
 from proto.pdserve.v1 import api_pb2, worker_pb2
 from proto.sampling import InvalidRequest, SamplingParams, check_prompt, from_wire
 from worker.kv_events import KvEventPublisher
@@ -71,6 +72,7 @@ class WorkerConfig:
     served_model_name: str | None = None   # the model id reported to the router (None = `model`)
     speculative: SpeculativeConfig | None = None  # decode and agg engines speculate; in the compat key for all
     internal_secret: str | None = field(default=None, repr=False)  # the worker API needs it (proto/internal_auth.py)
+    tls: TlsFiles | None = None    # serve the worker API over TLS (proto/tls.py)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "agg"):

@@ -30,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from worker.core import WorkerConfig, WorkerCore, WorkerError
 from proto.internal_auth import InternalSecretInterceptor
 from proto.model_files import file_chunks
+from proto.tls import TlsFiles, add_port
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -186,17 +187,18 @@ def create_kv_transport(config: WorkerConfig, runner):
 
 
 async def serve(worker: WorkerCore, host: str, port: int, secret: str | None = None,
-                on_engine_death: Callable[[], None] = _exit_process) -> WorkerServer:
+                on_engine_death: Callable[[], None] = _exit_process, tls: TlsFiles | None = None) -> WorkerServer:
     """Start the built worker's background tasks and its gRPC server; returns the running server.
     secret: the cluster's internal secret every Worker call must carry (None: no check);
-    on_engine_death: called once the engine loop died and the grace period passed."""
+    on_engine_death: called once the engine loop died and the grace period passed; tls: serve
+    over TLS with these files (proto/tls.py)."""
     await worker.start()
     interceptors = [InternalSecretInterceptor(secret)] if secret else []
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", tls)
     if bound == 0:
         raise OSError(f"cannot bind the worker on {host}:{port}")
     await server.start()
