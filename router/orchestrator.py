@@ -114,6 +114,7 @@ class _Legs:
     sent: list[int] = field(default_factory=list)
     recomputed: int = 0
     lost: set[str] = field(default_factory=set)   # decode-capable workers this request left
+    pending: list[asyncio.Task] = field(default_factory=list)  # Reserves in flight: abort only after they answer
     _ids: int = 0
 
     def new_id(self) -> str:
@@ -122,9 +123,11 @@ class _Legs:
         self._ids += 1
         return self.request_id if self._ids == 1 else f"{self.request_id}~{self._ids - 1}"
 
-    def take_open(self) -> list[tuple[WorkerHandle, str]]:
+    def take_open(self) -> tuple[list[tuple[WorkerHandle, str]], list[asyncio.Task]]:
+        """The open legs and the Reserves still in flight, handed to one abort."""
         legs, self.open = [(w, wrid) for (_, wrid), w in self.open.items()], {}
-        return legs
+        pending, self.pending = self.pending, []
+        return legs, pending
 
     def add(self, w: WorkerHandle, wrid: str) -> None:
         self.open[(w.id, wrid)] = w
@@ -166,13 +169,13 @@ class Orchestrator:
                     booking.done()
         finally:
             if not legs.finished and legs.open:
-                self._spawn(self._abort_legs(legs.take_open()))
+                self._spawn(self._abort_legs(*legs.take_open()))
 
     def _migrate(self, legs: _Legs, d: WorkerHandle, error: ServiceError) -> None:
         """Leave worker d: abort this attempt's legs (fence order), recompute elsewhere."""
         legs.lost.add(d.id)
         self.migrations += 1
-        self._spawn(self._abort_legs(legs.take_open()))
+        self._spawn(self._abort_legs(*legs.take_open()))
         legs.recomputed += len(legs.prompt_ids) + len(legs.sent)
         log.warning("request %s: %s lost after %d tokens (%s); migrating", legs.request_id, d.id, len(legs.sent),
                     error.message)
@@ -240,8 +243,13 @@ class Orchestrator:
         legs.add(d, wrid)
         req = worker_pb2.ReserveRequest(request_id=wrid, prompt_token_ids=legs.prompt_ids, sampling=legs.sampling,
                                         lease_seconds=self.config.reservation_lease_s)
+        # shielded: a client cancel while D allocates must not let the Abort overtake the Reserve
+        # (D would then keep a reservation nobody aborts until its lease ends); the abort awaits it
+        task = asyncio.ensure_future(_unary(d, "decode", d.stub.Reserve, req, legs.deadline,
+                                            self.config.leg_timeouts.floor_s))
+        legs.pending.append(task)
         try:
-            reply = await _unary(d, "decode", d.stub.Reserve, req, legs.deadline, self.config.leg_timeouts.floor_s)
+            reply = await asyncio.shield(task)
         except ServiceError as e:
             if e.code == grpc.StatusCode.UNAVAILABLE:
                 raise _WorkerLost(e) from None
@@ -273,7 +281,7 @@ class Orchestrator:
                 if e.code != grpc.StatusCode.UNAVAILABLE:
                     raise
                 self.prefill_failovers += 1
-                self._spawn(self._abort_legs(legs.take_open()))  # P first, then this try's reservation
+                self._spawn(self._abort_legs(*legs.take_open()))  # P first, then this try's reservation
                 log.warning("prefill of %s failed on %s: %s; %s", legs.request_id, p.id, e.message,
                             "retrying" if attempt + 1 < self.config.prefill_attempts else "prefilling on the decode worker")
             finally:
@@ -324,9 +332,11 @@ class Orchestrator:
         finally:
             call.cancel()
 
-    async def _abort_legs(self, legs: list[tuple[WorkerHandle, str]]) -> None:
-        """Prefill legs first: once a prefill worker has answered an Abort, none of its writes can
-        still land, so the decode worker may then reuse the blocks it frees."""
+    async def _abort_legs(self, legs: list[tuple[WorkerHandle, str]], pending: list[asyncio.Task] = ()) -> None:
+        """After the Reserves still in flight answered, prefill legs first: once a prefill worker
+        has answered an Abort, none of its writes can still land, so the decode worker may then
+        reuse the blocks it frees."""
+        await asyncio.gather(*pending, return_exceptions=True)
         await asyncio.gather(*(self._abort(w, rid) for w, rid in legs if w.endpoint.role == "prefill"))
         await asyncio.gather(*(self._abort(w, rid) for w, rid in legs if w.endpoint.role != "prefill"))
 
