@@ -273,3 +273,20 @@ def test_plan_sizes_a_fleet_from_a_profile_file(tmp_path):
 def test_plan_bad_input_is_one_line_and_status_2(args, message):
     r = _plan(*args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_validate_sim_compares_the_simulator_fed_the_real_requests():
+    """deploy/validate_sim.py's comparison, on a run whose 'real' figures are what the profile
+    says plus a fixed handoff: the handoff is measured from the lone requests and the errors are 0."""
+    from deploy.validate_sim import compare, handoff_cost_ms
+
+    isl, osl, handoff = 512, 16, 0.040
+    ttft = PROFILE.prefill_ttft_ms(isl) / 1000 + handoff
+    tpot = PROFILE.decode_itl_ms(1, isl + osl / 2) / 1000
+    rec = lambda t: {"success": True, "start_s": t, "prompt_len": isl, "output_tokens": osl,  # noqa: E731
+                     "ttft_s": ttft, "tpot_s": tpot}
+    lone = {"requests": [rec(0.0) for _ in range(3)]}
+    assert handoff_cost_ms(lone, PROFILE) == pytest.approx(1000 * handoff)
+    row = compare(0.1, {"requests": [rec(10.0 * i) for i in range(5)]}, PROFILE, 1000 * handoff)
+    assert row["completed"] == 5 and row["ttft_error"] == pytest.approx(0, abs=1e-9)
+    assert abs(row["itl_error"]) < 0.02  # the context grows by OSL over the request: ITL at its mean context
