@@ -82,6 +82,9 @@ def _check_hf_dir(path: Path) -> Path:
         raise UserError(f"model directory {str(path)!r} has no config.json: not an HF checkpoint")
     if not any(path.glob("*.safetensors")):
         raise UserError(f"model directory {str(path)!r} has no *.safetensors weights")
+    from engine.quantization.checkpoint import check_fp8_checkpoint  # (imports torch: only for HF directories)
+
+    check_fp8_checkpoint(path)
     return path
 
 

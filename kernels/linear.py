@@ -199,34 +199,44 @@ class Int8Linear(MeasuredLinear):
 
     method = "int8"
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, smooth: torch.Tensor | None = None,
+                 w8a8: bool = True) -> None:
+        """smooth: [in_features] float32 SmoothQuant factors s (engine/quantization/smoothing.py): the
+        int8 weight is that of ``W * s`` and every kernel reads ``x / s``. w8a8=False: activations
+        too spiky to quantize per token; only the W8A16 kernel is offered."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        q, scale = quantize_int8_per_channel(weight)
+        w = weight if smooth is None else weight.float() * smooth[None, :].to(weight.device)
+        q, scale = quantize_int8_per_channel(w)
         self.register_buffer("qweight", q, persistent=False)
         self.register_buffer("weight_scale", scale, persistent=False)
+        self.inv_smooth = None if smooth is None else (1.0 / smooth).to(device=weight.device, dtype=self.dtype)
         self.bias = None if bias is None else bias.detach()
+        kernels = self._candidates()
+        if not w8a8:
+            kernels = {"w8a16_int8pack": kernels["w8a16_int8pack"]}
         # Quiet-machine winners: W8A16 at one row (3x bf16), W8A8 from 16 rows (W8A16 falls behind bf16 there).
-        self._choose(self._candidates(), self.dtype, q.device, ("w8a16_int8pack", "w8a8_int_mm", "w8a8_int_mm"))
+        self._choose(kernels, self.dtype, q.device, ("w8a16_int8pack", "w8a8_int_mm", "w8a8_int_mm") if w8a8 else None)
 
     def _candidates(self) -> dict[str, Kernel]:
-        q, s, dtype = self.qweight, self.weight_scale, self.dtype
+        q, s, dtype, inv_smooth = self.qweight, self.weight_scale, self.dtype, self.inv_smooth
         s_model = s.to(dtype)         # _weight_int8pack_mm wants the scales in the activation dtype
         s_row = s[None, :]
 
         def w8a16(x: torch.Tensor) -> torch.Tensor:
-            return torch._weight_int8pack_mm(x, q, s_model)
+            return torch._weight_int8pack_mm(x if inv_smooth is None else x * inv_smooth, q, s_model)
 
         def w8a8(x: torch.Tensor) -> torch.Tensor:
-            xq, xs = quantize_int8_per_token(x)
+            xq, xs = quantize_int8_per_token(x if inv_smooth is None else x * inv_smooth)
             return (torch._int_mm(xq, q.t()) * (xs * s_row)).to(dtype)
 
         return {"w8a16_int8pack": w8a16, "w8a8_int_mm": w8a8}
 
     def dequantized_weight(self) -> torch.Tensor:
-        """[N, K] float32: what the int8 values and scales represent."""
-        return self.qweight.float() * self.weight_scale[:, None]
+        """[N, K] float32: the weight the int8 values, scales and smoothing factors represent."""
+        w = self.qweight.float() * self.weight_scale[:, None]
+        return w if self.inv_smooth is None else w * self.inv_smooth.float()[None, :]
 
 
 # -- fp8 ------------------------------------------------------------------------------------------

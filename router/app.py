@@ -180,7 +180,8 @@ class Router:
             s = w.stats
             out.workers.add(id=w.id, role=w.endpoint.role, address=w.endpoint.address, alive=w.alive,
                             kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
-                            kv_blocks_held=s.kv_blocks_held, running=s.running, waiting=s.waiting)
+                            kv_blocks_held=s.kv_blocks_held, running=s.running, waiting=s.waiting,
+                            spec_draft_tokens=s.spec_draft_tokens, spec_accepted_tokens=s.spec_accepted_tokens)
         return out
 
     async def stop(self) -> None:

@@ -108,7 +108,8 @@ def test_serve_subprocess_health_answer_sigint(tmp_path):
                                 capture_output=True, text=True, timeout=60)
         workers = json.loads(status.stdout)["workers"]
         assert sorted(w["role"] for w in workers) == ["decode", "prefill"]
-        assert all(set(w) == {"id", "role", "kv_blocks_used", "kv_blocks_total", "running", "waiting"} and
+        assert all(set(w) == {"id", "role", "kv_blocks_used", "kv_blocks_total", "running", "waiting", "spec_draft_tokens",
+                               "spec_accepted_tokens", "spec_acceptance_rate"} and
                    w["kv_blocks_total"] == 256 for w in workers)
         import httpx
 

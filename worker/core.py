@@ -196,7 +196,8 @@ class WorkerCore:
         return worker_pb2.WorkerStats(kv_blocks_total=s.kv_blocks_total, kv_blocks_used=s.kv_blocks_used,
                                       kv_blocks_held=held, running=s.running, waiting=s.waiting,
                                       prefix_cache_hit_tokens=getattr(s, "prefix_cache_hit_tokens", 0),
-                                      leases=leases)
+                                      leases=leases, spec_draft_tokens=s.spec_num_draft_tokens,
+                                      spec_accepted_tokens=s.spec_num_accepted_tokens)
 
     def kv_event_batch(self, epoch: str, after_seq: int, snapshot: bool = False) -> worker_pb2.KvEventsResponse:
         """KV events after (epoch, after_seq), or a snapshot when they cannot be replayed."""

@@ -16,6 +16,10 @@ Read at scrape time from ``EngineStats`` (gauges and counters) or observed per f
     pdserve:request_queue_time_seconds, pdserve:request_prefill_time_seconds,
     pdserve:request_decode_time_seconds                               histogram, per request
     pdserve:spec_decode_<name>_total                                  counter, one per int EngineStats.spec_<name>
+                                     (num_drafts, num_draft_tokens, num_accepted_tokens, num_verify_steps)
+    pdserve:spec_decode_mean_accepted_length                          gauge, 1 + accepted / drafts (0: none yet)
+    pdserve:spec_decode_k                                             histogram, the k each speculable decode
+                                                                      row ran with (k = 0 included)
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 LABELS = ("model_name", "worker_id", "role")
 _TIME_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
@@ -97,6 +101,23 @@ class _StatsCollector:
             if f.name.startswith("spec_") and isinstance(value, int):
                 name = "pdserve:spec_decode_" + f.name.removeprefix("spec_")
                 yield _family(CounterMetricFamily, name, f"EngineStats.{f.name}", values, value)
+        mean = 1.0 + s.spec_num_accepted_tokens / s.spec_num_drafts if s.spec_num_drafts else 0.0
+        yield _family(GaugeMetricFamily, "pdserve:spec_decode_mean_accepted_length",
+                      "Tokens emitted per verification row: 1 + accepted / drafts (0 before the first)", values, mean)
+        yield k_histogram(s.spec_k_histogram, values)
+
+
+def k_histogram(counts: tuple[int, ...], values: list[str]) -> HistogramMetricFamily:
+    """counts[k] = decode rows that ran with k drafts -> a histogram with one bucket per k (le="0".."K")."""
+    family = HistogramMetricFamily("pdserve:spec_decode_k", "Draft tokens chosen per speculable decode row",
+                                   labels=list(LABELS))
+    buckets, total = [], 0
+    for k, n in enumerate(counts):
+        total += n
+        buckets.append((str(k), total))
+    buckets.append(("+Inf", total))
+    family.add_metric(values, buckets, sum_value=sum(k * n for k, n in enumerate(counts)))
+    return family
 
 
 def _family(cls, name: str, doc: str, values: list[str], value: float):

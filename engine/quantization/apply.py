@@ -2,8 +2,10 @@
 
 Every ``nn.Linear`` under ``model.model.layers`` (the attention and MLP projections) becomes a
 kernels.linear module: ``DenseLinear`` (none), ``Int8Linear`` (int8) or ``Fp8Linear`` (fp8).
-The LM head (tied to the embedding or not) gets a method too, ``model.head_method``: with int8
-the head is int8 per vocabulary row (at batch 1 it reads as many bytes as 17 of the 30 decoder
+With int8 and calibration statistics (``act_amax``, engine/quantization/smoothing.py) each
+linear's input is smoothed (SmoothQuant) or, where one channel dwarfs the rest, kept out of
+activation quantization (W8A16). The LM head (tied to the embedding or not) gets a method too,
+``model.head_method``: with int8 the head is int8 per vocabulary row (at batch 1 it reads as many bytes as 17 of the 30 decoder
 layers' linears of the bundled model, so it decides much of the decode step); with none and fp8
 it is the fastest dense kernel in the model dtype (FP8 keeps the head, as vLLM does). The
 embedding lookup keeps its own table.
@@ -17,6 +19,8 @@ import torch
 from torch import nn
 
 from engine.quantization import check_quantization
+from engine.quantization.checkpoint import Fp8Weight
+from engine.quantization.smoothing import HEAD_NAME, plan_input
 from kernels.linear import DenseLinear, Fp8Linear, Int8Linear, quantize_fp8_per_channel
 
 DEBUG_SCALE_FACTOR_ENV = "PDSERVE_DEBUG_FP8_SCALE_FACTOR"
@@ -32,14 +36,19 @@ def debug_scale_factor() -> float | None:
     return None if not value else float(value)
 
 
-def apply_quantization(model: nn.Module, method: str, weight_scales: dict[str, torch.Tensor] | None = None) -> int:
+def apply_quantization(model: nn.Module, method: str, fp8_weights: dict[str, Fp8Weight] | None = None,
+                       act_amax: dict[str, torch.Tensor] | None = None) -> int:
     """Replace the decoder's linears in place; return how many were replaced.
 
-    weight_scales: per-output-channel scales of an FP8 checkpoint, by the linear's module name
-    (``model.layers.0.self_attn.q_proj``); only used with ``method="fp8"``.
+    fp8_weights: an FP8 checkpoint's E4M3 weights and per-output-channel scales, by the linear's
+    module name (``model.layers.0.self_attn.q_proj``; engine/quantization/checkpoint.py); with
+    ``method="fp8"`` those linears use them as they are (no requantization). act_amax: per-input-
+    channel amax [in_features] float32 by module name (and ``HEAD_NAME``), from
+    smoothing.record_input_amax; only used with ``method="int8"``.
     """
     check_quantization(method)
-    compute_dtype = None
+    act_amax = act_amax or {}
+    compute_dtype, weight_scales = None, {}
     if method == "fp8" and (factor := debug_scale_factor()) is not None:
         compute_dtype = model.model.embed_tokens.weight.dtype   # the weights become E4M3 below
         weight_scales = _corrupted_fp8_scales(model, factor)
@@ -49,11 +58,17 @@ def apply_quantization(model: nn.Module, method: str, weight_scales: dict[str, t
             continue
         for child_name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, child_name, make_linear(child, method, (weight_scales or {}).get(f"{name}.{child_name}"),
-                                                              compute_dtype))
+                full = f"{name}.{child_name}"
+                ckpt = (fp8_weights or {}).get(full) if method == "fp8" and full not in weight_scales else None
+                setattr(parent, child_name, make_linear(child, method, weight_scales.get(full), compute_dtype,
+                                                        act_amax=act_amax.get(full), fp8_weight=ckpt))
                 replaced += 1
-    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    model.head_method = Int8Linear(head.detach(), None) if method == "int8" else DenseLinear(head.detach(), None)
+    head = (model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight).detach()
+    if method == "int8":
+        plan = plan_input(act_amax.get(HEAD_NAME), head)
+        model.head_method = Int8Linear(head, None, plan.smooth, plan.w8a8)
+    else:
+        model.head_method = DenseLinear(head, None)
     return replaced
 
 
@@ -70,11 +85,17 @@ def _corrupted_fp8_scales(model: nn.Module, factor: float) -> dict[str, torch.Te
 
 
 def make_linear(linear: nn.Linear, method: str, weight_scale: torch.Tensor | None = None,
-                dtype: torch.dtype | None = None) -> nn.Module:
-    """The linear method ``method`` for one ``nn.Linear`` (weight [N, K] in the model dtype, or E4M3)."""
+                dtype: torch.dtype | None = None, act_amax: torch.Tensor | None = None,
+                fp8_weight: Fp8Weight | None = None) -> nn.Module:
+    """The linear method ``method`` for one ``nn.Linear`` (weight [N, K] in the model dtype, or E4M3
+    with ``weight_scale``); act_amax: its input's calibration amax (int8: smoothing or W8A16, see
+    smoothing.plan_input); fp8_weight: the checkpoint's E4M3 weight and scales (fp8)."""
     weight, bias = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
+    if fp8_weight is not None:
+        dtype, weight, weight_scale = dtype or weight.dtype, fp8_weight.qweight, fp8_weight.scale
     if method == "int8":
-        return Int8Linear(weight, bias)
+        plan = plan_input(act_amax, weight)
+        return Int8Linear(weight, bias, plan.smooth, plan.w8a8)
     if method == "fp8":
         compute = dtype or (bias.dtype if bias is not None and weight.dtype == torch.float8_e4m3fn else
                             weight.dtype if weight.dtype != torch.float8_e4m3fn else torch.bfloat16)

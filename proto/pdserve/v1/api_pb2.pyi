@@ -173,7 +173,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("id", "role", "address", "alive", "kv_blocks_used", "kv_blocks_total", "kv_blocks_held", "running", "waiting")
+    __slots__ = ("id", "role", "address", "alive", "kv_blocks_used", "kv_blocks_total", "kv_blocks_held", "running", "waiting", "spec_draft_tokens", "spec_accepted_tokens")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +183,8 @@ class WorkerStatus(_message.Message):
     KV_BLOCKS_HELD_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: str
     address: str
@@ -192,7 +194,9 @@ class WorkerStatus(_message.Message):
     kv_blocks_held: int
     running: int
     waiting: int
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_held: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_held: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
     __slots__ = ("workers",)

@@ -48,7 +48,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("kv_blocks_total", "kv_blocks_used", "kv_blocks_held", "running", "waiting", "prefix_cache_hit_tokens", "leases")
+    __slots__ = ("kv_blocks_total", "kv_blocks_used", "kv_blocks_held", "running", "waiting", "prefix_cache_hit_tokens", "leases", "spec_draft_tokens", "spec_accepted_tokens")
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_HELD_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,8 @@ class WorkerStats(_message.Message):
     WAITING_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     kv_blocks_total: int
     kv_blocks_used: int
     kv_blocks_held: int
@@ -63,7 +65,9 @@ class WorkerStats(_message.Message):
     waiting: int
     prefix_cache_hit_tokens: int
     leases: int
-    def __init__(self, kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_held: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., leases: _Optional[int] = ...) -> None: ...
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    def __init__(self, kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_held: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., leases: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_seconds")
