@@ -10,7 +10,9 @@ transports (as a decode worker would; NIXL needs it, see MACHINE-NOTES). Three p
    its repeats alternating with the transfer's so both see the same load on a shared machine;
    ``ratio`` = backend / memcpy (``*_best``: from the fastest repeat of each).
 2. The KV of a 1,000-token prompt in the SmolLM2-135M layout (30 layers, 3 KV heads, head dim 64,
-   block size 16, fp32: 63 blocks, 46 MB), written whole and layer by layer.
+   block size 16, fp32: 63 blocks, 46 MB), written whole and layer by layer; and the same prompt
+   in the KV formats served (``--kv-cache-dtype auto`` with bf16: 23 MB; ``fp8_e4m3``: the E4M3
+   bytes as they are, 12 MB), whole, beside each other (``prompt_1000_by_dtype``).
 3. Overlap. Prefill a 1,000-token prompt with the real model; the runner's per-layer hook hands
    layer l to a ``LayerStream``, which writes its blocks at once from another thread.
    exposed = (time the hooks block the forward) + (time from the end of the forward until the
@@ -20,7 +22,7 @@ transports (as a decode worker would; NIXL needs it, see MACHINE-NOTES). Three p
    takes, so that variant is noise here.
 
 JSON: ``rows`` (``backend``, ``chunk_bytes``, ``gib_s``, ``memcpy_gib_s``, ``ratio``, ...),
-``prompt_1000`` per backend, ``overlap`` (0-1, for nixl if it ran), ``overlap_by_backend``.
+``prompt_1000`` per backend, ``prompt_1000_by_dtype`` per backend and KV dtype, ``overlap`` (0-1, for nixl if it ran), ``overlap_by_backend``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ MAX_RUNS = 2048  # bounds the descriptor count (and Python framing cost) for sma
 SMOL = dict(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16)
 PROMPT_TOKENS = 1000
 MODEL = "smollm2-135m-instruct"
+FORMAT_DTYPES = ("bfloat16", "float8_e4m3fn")
+"""KV dtypes of the served formats compared per 1,000-token prompt (fp8: scales digest set, as served)."""
 
 
 def command(
@@ -73,7 +77,7 @@ def run(backends: list[str], sizes: list[int], min_time_s: float, overlap: bool,
     import torch
 
     torch.set_num_threads(1)
-    doc: dict[str, Any] = {"bench": "kv-transfer", "backends": backends, "rows": [], "prompt_1000": {},
+    doc: dict[str, Any] = {"bench": "kv-transfer", "backends": backends, "rows": [], "prompt_1000": {}, "prompt_1000_by_dtype": {},
                            "overlap": None, "overlap_by_backend": {},
                            "machine": {"cpus": os.cpu_count(), "torch_threads": 1, "python": sys.version.split()[0]}}
     runner = _load_runner(model) if overlap else None
@@ -81,6 +85,7 @@ def run(backends: list[str], sizes: list[int], min_time_s: float, overlap: bool,
         with _Pair(name, model) as pair:
             doc["rows"] += [_bandwidth_row(pair, size, min_time_s) for size in sizes]
             doc["prompt_1000"][name] = _prompt_transfer(pair, min_time_s)
+            doc["prompt_1000_by_dtype"][name] = _format_transfers(pair, min_time_s)
             if runner is not None:
                 doc["overlap_by_backend"][name] = _overlap(pair, runner)
     if doc["overlap_by_backend"]:
@@ -96,9 +101,13 @@ def _bw_spec():
     return KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=256, block_size=1, num_blocks=BW_NUM_BLOCKS)
 
 
-def _smol_spec():
+def _smol_spec(dtype: str = "float32"):
+    import torch
+
     from engine.kv_cache import KVCacheSpec
-    return KVCacheSpec(num_blocks=math.ceil(PROMPT_TOKENS / SMOL["block_size"]) + 8, **SMOL)
+    digest = "bench" if dtype == "float8_e4m3fn" else ""
+    return KVCacheSpec(num_blocks=math.ceil(PROMPT_TOKENS / SMOL["block_size"]) + 8, dtype=getattr(torch, dtype),
+                       scales_digest=digest, **SMOL)
 
 
 def _filled(spec, seed: int):
@@ -106,7 +115,7 @@ def _filled(spec, seed: int):
 
     from engine.kv_cache import PagedKVCache
     cache = PagedKVCache(spec)
-    cache.data.copy_(torch.rand(spec.shape, generator=torch.Generator().manual_seed(seed)) + 0.5)
+    cache.data.copy_((torch.rand(spec.shape, generator=torch.Generator().manual_seed(seed)) + 0.5).to(spec.dtype))
     return cache
 
 
@@ -118,7 +127,7 @@ def _receiver_main(conn, backend: str, model_id: str) -> None:
     torch.set_num_threads(1)
     transports = []
     metas = []
-    for spec in (_bw_spec(), _smol_spec()):
+    for spec in (_bw_spec(), _smol_spec(), *(_smol_spec(d) for d in FORMAT_DTYPES)):
         t = create_transport(backend)
         metas.append(t.register_cache(_filled(spec, 7), CompatKey.from_spec(spec, model_id)))
         transports.append(t)
@@ -149,12 +158,17 @@ class _Pair:
             if not self.proc.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the {self.backend} receiver process did not start "
                                    f"(exit code {self.proc.exitcode})")
-        bw_meta, self.smol_meta = self.conn.recv()
+        bw_meta, self.smol_meta, *format_metas = self.conn.recv()
         self.bw_cache, self.smol_cache = _filled(_bw_spec(), 1), _filled(_smol_spec(), 2)
         self.bw, self.smol = create_transport(self.backend), create_transport(self.backend)
         self.bw.register_cache(self.bw_cache, CompatKey.from_spec(self.bw_cache.spec, self.model_id))
         self.smol.register_cache(self.smol_cache, CompatKey.from_spec(self.smol_cache.spec, self.model_id))
         self.bw_peer, self.smol_peer = self.bw.add_peer(bw_meta), self.smol.add_peer(self.smol_meta)
+        self.formats = {}  # KV dtype -> (transport, peer, cache)
+        for dtype, meta in zip(FORMAT_DTYPES, format_metas):
+            cache, t = _filled(_smol_spec(dtype), 3), create_transport(self.backend)
+            t.register_cache(cache, CompatKey.from_spec(cache.spec, self.model_id))
+            self.formats[dtype] = (t, t.add_peer(meta), cache)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -164,6 +178,8 @@ class _Pair:
             self.proc.kill()
         self.bw.close()
         self.smol.close()
+        for t, _, _ in self.formats.values():
+            t.close()
 
 
 # -- measurements -------------------------------------------------------------------------------
@@ -230,6 +246,16 @@ def _prompt_transfer(pair: _Pair, min_time_s: float) -> dict[str, Any]:
     nbytes = len(blocks) * pair.smol_cache.spec.bytes_per_block_all_layers
     return {"tokens": PROMPT_TOKENS, "blocks": len(blocks), "bytes": nbytes, "whole_ms": round(whole * 1e3, 2),
             "layerwise_ms": round(layerwise * 1e3, 2), "gib_s": round(nbytes / whole / 2**30, 3)}
+
+
+def _format_transfers(pair: _Pair, min_time_s: float) -> dict[str, Any]:
+    """Per KV dtype: bytes and median time to write a 1,000-token prompt's KV whole."""
+    blocks, layers, out = _prompt_blocks(), list(range(SMOL["num_layers"])), {}
+    for dtype, (t, peer, cache) in pair.formats.items():
+        whole = statistics.median(_repeat(lambda: _timed_write(t, peer, blocks, layers), min_time_s))
+        nbytes = len(blocks) * cache.spec.bytes_per_block_all_layers
+        out[dtype] = {"bytes": nbytes, "whole_ms": round(whole * 1e3, 2), "gib_s": round(nbytes / whole / 2**30, 3)}
+    return out
 
 
 def _layerwise(pair: _Pair, blocks: list[int]) -> float:
@@ -326,6 +352,10 @@ def table(doc: dict[str, Any]) -> str:
     for name, p in doc["prompt_1000"].items():
         lines.append(f"{name}: KV of a {p['tokens']}-token prompt ({p['bytes'] / 2**20:.1f} MiB, SmolLM2 layout): "
                      f"{p['whole_ms']:.1f} ms whole, {p['layerwise_ms']:.1f} ms layer by layer")
+    for name, formats in doc.get("prompt_1000_by_dtype", {}).items():
+        cells = [f"{d.removeprefix('float8_')}: {f['bytes'] / 2**20:.1f} MiB, {f['whole_ms']:.1f} ms"
+                 for d, f in formats.items()]
+        lines.append(f"{name}: KV of a {PROMPT_TOKENS}-token prompt by KV dtype: " + "; ".join(cells))
     for name, o in doc["overlap_by_backend"].items():
         lines.append(f"{name}: overlap {o['overlap']:.1%} (wall-clock {o['overlap_wallclock']:.1%}); prefill "
                      f"{o['prefill_ms']:.0f} ms, with streaming {o['prefill_streaming_ms']:.0f} ms, transfer alone "
