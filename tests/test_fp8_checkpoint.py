@@ -99,3 +99,20 @@ def test_fp8_checkpoint_runs_as_stored_and_dequantized(model_path, fp8_model_dir
     dequantized = logits(fp8_model_dir, "none")    # the same weights dequantized, bf16 activations
     assert float((dequantized - from_ckpt).abs().max()) < 0.1 * float(from_ckpt.abs().max())
     assert (dequantized.argmax(-1) == from_ckpt.argmax(-1)).float().mean() > 0.8
+
+
+def test_a_fused_linear_takes_its_parts_weights_and_scales_in_order(monkeypatch):
+    from engine.models import llama
+    from engine.quantization.apply import checkpoint_weight
+    from engine.quantization.checkpoint import Fp8Weight
+
+    monkeypatch.setattr(llama, "FUSED_PROJECTIONS", {"mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")},
+                        raising=False)
+    parts = {f"model.layers.3.mlp.{p}": Fp8Weight(*quantize_fp8_per_channel(torch.randn(n, 8)))
+             for p, n in (("gate_proj", 4), ("up_proj", 6))}
+    fused = checkpoint_weight(parts, "model.layers.3.mlp.gate_up_proj")
+    gate, up = parts["model.layers.3.mlp.gate_proj"], parts["model.layers.3.mlp.up_proj"]
+    assert fused.qweight.shape == (10, 8) and torch.equal(fused.scale, torch.cat([gate.scale, up.scale]))
+    assert torch.equal(fused.qweight.float(), torch.cat([gate.qweight, up.qweight]).float())
+    assert checkpoint_weight(parts, "model.layers.3.mlp.gate_proj") is gate
+    assert checkpoint_weight({}, "model.layers.3.mlp.gate_up_proj") is None

@@ -59,7 +59,7 @@ def apply_quantization(model: nn.Module, method: str, fp8_weights: dict[str, Fp8
         for child_name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 full = f"{name}.{child_name}"
-                ckpt = (fp8_weights or {}).get(full) if method == "fp8" and full not in weight_scales else None
+                ckpt = checkpoint_weight(fp8_weights or {}, full) if method == "fp8" and full not in weight_scales else None
                 setattr(parent, child_name, make_linear(child, method, weight_scales.get(full), compute_dtype,
                                                         act_amax=act_amax.get(full), fp8_weight=ckpt))
                 replaced += 1
@@ -82,6 +82,23 @@ def _corrupted_fp8_scales(model: nn.Module, factor: float) -> dict[str, torch.Te
             module.weight = nn.Parameter(q, requires_grad=False)
             scales[name] = scale * factor
     return scales
+
+
+def checkpoint_weight(fp8_weights: dict[str, Fp8Weight], name: str) -> Fp8Weight | None:
+    """The checkpoint's E4M3 weight of linear ``name``; for a fused linear (engine.models.llama's
+    FUSED_PROJECTIONS, e.g. ``qkv_proj`` = q, k, v stacked along the outputs) its parts' weights
+    and per-output-channel scales concatenated in the same order (None if any part is missing)."""
+    if name in fp8_weights:
+        return fp8_weights[name]
+    from engine.models import llama
+
+    for fused, parts in getattr(llama, "FUSED_PROJECTIONS", {}).items():
+        if name.endswith("." + fused):
+            prefix = name[: -len(fused)]
+            found = [fp8_weights.get(prefix + part) for part in parts]
+            if all(w is not None for w in found):
+                return Fp8Weight(torch.cat([w.qweight for w in found]), torch.cat([w.scale for w in found]))
+    return None
 
 
 def make_linear(linear: nn.Linear, method: str, weight_scale: torch.Tensor | None = None,
