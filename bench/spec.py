@@ -13,6 +13,13 @@ ran with k >= 1. The speculative counters come from the engine itself (EngineSta
 serving benchmark over HTTP cannot see. The machine's load average is printed beside the
 figures: on a shared machine compare the ratios of one run, not absolute times.
 
+With ``--speculative-method draft --speculative-model M [--speculative-quantization int8]`` the
+speculative engine drafts with a model instead (for the bundled model, a quantized copy of
+itself); the draft's and the target's decode-step costs are measured alone beforehand (batch 1,
+a 256-token context, median of 20 forwards each) and their ratio reported: the ceiling of a
+draft's gain is set by it (with acceptance a and k drafts, one verification emits on average
+(1 - a^(k+1)) / (1 - a) tokens for the cost of 1 + k x ratio target steps).
+
 Run as ``pdserve bench spec`` or ``python -m bench.spec``. Speed is measured here, never in tests.
 """
 
@@ -38,6 +45,11 @@ def command(
     num_speculative_tokens: int = typer.Option(4, help="k_max of the speculative run."),
     adaptive: bool = typer.Option(True, "--adaptive/--no-adaptive", help="Load-adaptive k (else always k_max)."),
     threads: int = typer.Option(1, help="torch threads."),
+    speculative_method: str = typer.Option("ngram", "--speculative-method", help="ngram or draft."),
+    speculative_model: str = typer.Option(None, "--speculative-model", help="draft: the draft model (name or path)."),
+    speculative_quantization: str = typer.Option("none", "--speculative-quantization",
+                                                 help="draft: its linear method (none, int8, fp8)."),
+    dtype: str = typer.Option("float32", "--dtype", help="Target (and draft) dtype: float32 or bfloat16."),
 ) -> None:
     """Speculation off vs on: TPOT p50, output tok/s, acceptance rate, mean accepted length."""
     import torch
@@ -47,10 +59,26 @@ def command(
     from engine.model_runner import ModelRunner
     from engine.spec_decode.config import SpeculativeConfig
 
+    from engine.errors import UserError
+    from engine.spec_decode.config import from_flags
+
+    if dtype not in ("float32", "bfloat16"):
+        raise UserError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
+    flags = from_flags(speculative_method, num_speculative_tokens, speculative_model, 4, 2, speculative_quantization)
     torch.set_num_threads(threads)
-    runner, runner_spec = (ModelRunner(model, block_size=16, num_blocks=1024) for _ in range(2))  # one cache each
+    tdtype = getattr(torch, dtype)
+    runner, runner_spec = (ModelRunner(model, block_size=16, num_blocks=1024, dtype=tdtype) for _ in range(2))
     tok = load_tokenizer(runner.model_config.path)
-    spec = SpeculativeConfig(num_speculative_tokens=num_speculative_tokens, adaptive=adaptive)
+    spec = SpeculativeConfig(flags.method, num_speculative_tokens, model=flags.model, quantization=flags.quantization,
+                             adaptive=adaptive)
+    draft = None if spec.method != "draft" else ModelRunner(spec.model, block_size=16, num_blocks=1024, dtype=tdtype,
+                                                            quantization=spec.quantization)
+    step_cost = None
+    if draft is not None:
+        target_ms, draft_ms = _decode_step_ms(runner), _decode_step_ms(draft)
+        step_cost = {"target_ms": target_ms, "draft_ms": draft_ms, "draft_target_ratio": draft_ms / target_ms}
+        print(f"decode step alone (batch 1, 256-token context): target {target_ms:.2f} ms, draft "
+              f"({spec.model}, {spec.quantization}) {draft_ms:.2f} ms, ratio {draft_ms / target_ms:.2f}", flush=True)
     cells = []
     for name in [d.strip() for d in datasets.split(",") if d.strip()]:
         for conc in [int(c) for c in concurrency.split(",") if c.strip()]:
@@ -59,7 +87,7 @@ def command(
             prompts = [_chat(tok, r.prompt) for r in reqs]
             _Loop(runner, tok, prompts[:1], 1, max_tokens, None).run_alone()  # warm-up: first shapes
             off = _Loop(runner, tok, prompts, conc, max_tokens, None)
-            on = _Loop(runner_spec, tok, prompts, conc, max_tokens, spec)
+            on = _Loop(runner_spec, tok, prompts, conc, max_tokens, spec, draft)
             while not (off.done and on.done):
                 off.step()
                 on.step()
@@ -72,6 +100,8 @@ def command(
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps({"model": runner.model_config.name, "threads": threads, "max_tokens": max_tokens,
                                     "num_speculative_tokens": num_speculative_tokens, "adaptive": adaptive,
+                                    "dtype": dtype, "speculative_method": spec.method, "speculative_model": spec.model,
+                                    "speculative_quantization": spec.quantization, "step_cost": step_cost,
                                     "cells": cells}, indent=1) + "\n")
     print(f"wrote {json_out}")
 
@@ -84,14 +114,15 @@ def _chat(tok, text: str) -> list[int]:
 class _Loop:
     """One engine in a closed loop at ``conc`` requests in flight, timed on its own step clock."""
 
-    def __init__(self, runner, tok, prompts: list[list[int]], conc: int, max_tokens: int, spec) -> None:
+    def __init__(self, runner, tok, prompts: list[list[int]], conc: int, max_tokens: int, spec,
+                 draft_runner=None) -> None:
         from engine.config import CacheConfig, EngineConfig, SchedulerConfig
         from engine.llm_engine import LLMEngine
         from proto.sampling import SamplingParams
 
         self.eng = LLMEngine(EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max(conc, 1)),
                                           cache=CacheConfig(), speculative=spec),
-                             runner=runner, tokenizer=tok)
+                             runner=runner, tokenizer=tok, draft_runner=draft_runner)
         self.params = SamplingParams(temperature=0, max_tokens=max_tokens)
         self.pending = list(enumerate(prompts))
         self.conc, self.clock = conc, 0.0
@@ -130,6 +161,21 @@ class _Loop:
                 "mean_accepted_length": 1 + st.spec_num_accepted_tokens / st.spec_num_drafts if st.spec_num_drafts else None,
                 "speculated_row_share": sum(hist[1:]) / sum(hist) if hist and sum(hist) else None,
                 "k_histogram": list(hist)}
+
+
+def _decode_step_ms(runner, context: int = 256, reps: int = 20) -> float:
+    """Median ms of one decode forward (batch 1) at position ``context`` after a ``context``-token prefill."""
+    from engine.batch import SeqChunk
+
+    blocks = list(range(context // runner.block_size + 1))
+    ids = [100 + i % 1000 for i in range(context)]
+    runner.forward([SeqChunk(ids, 0, blocks, 1)])
+    times = []
+    for _ in range(reps + 2):
+        t0 = time.perf_counter()
+        runner.forward([SeqChunk([42], context, blocks, 1)])
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:]) * 1e3
 
 
 def _fmt(v, digits=2) -> str:
