@@ -4,8 +4,11 @@ For each server (a name and a command line): start it in its own process group, 
 its OpenAI API answers ``/v1/models``, run the ``bench serve`` client against it (same prompts,
 same flags for every server), sample the resident memory of its whole process tree (Ray's and
 vLLM's child processes included) every 0.25 s, stop it (SIGINT, then SIGKILL after a grace
-period), then the next. Prints one side-by-side table with each server's throughput as a
-ratio of the first server's (the reference), and writes JSON.
+period), then the next. Before the first server starts, the machine's GEMM peak and memcpy
+bandwidth are measured (bench/floors.py); each server's row gives its throughput as a ratio of
+the first server's (the reference) and as a fraction of the workload's floor on this machine
+(prefill FLOPs / GEMM peak + decode steps x weight bytes / bandwidth). Prints one side-by-side
+table and writes JSON.
 
 A command is a shell line with ``{port}`` where the server's HTTP port goes, e.g.::
 
@@ -28,7 +31,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -67,6 +70,9 @@ def command(
     dataset_path: Annotated[Optional[Path], typer.Option(help="ShareGPT JSONL (default: ../shared/data).")] = None,
     log_dir: Annotated[Optional[Path], typer.Option(help="Write each server's stdout/stderr here.")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write every figure here.")] = None,
+    model: Annotated[str, typer.Option(help="The served model (its config sizes the floor).")] = "smollm2-135m-instruct",
+    floors: Annotated[bool, typer.Option(help="Measure GEMM peak and bandwidth first; report each "
+                                              "server's fraction of the workload's floor.")] = True,
 ) -> None:
     """Servers side by side, one at a time, same workload: throughput, latency, peak memory."""
     specs = [ServerSpec.parse(s) for s in server]
@@ -74,14 +80,22 @@ def command(
         raise UserError("--server: names must be distinct")
     if num_prompts < 1 or max_tokens < 1 or max_concurrency < 1:
         raise UserError("--num-prompts, --max-tokens and --max-concurrency must be >= 1")
+    machine = _measure_machine() if floors else None
+    model_cfg = _model_config(model) if floors else None
     results = []
     for spec in specs:
         print(f"pdserve bench peers: {spec.name}: starting", file=sys.stderr, flush=True)
-        results.append(run_one(spec, port, num_prompts, max_tokens, max_concurrency, ignore_eos, num_warmups,
-                               dataset_path, log_dir))
+        out = run_one(spec, port, num_prompts, max_tokens, max_concurrency, ignore_eos, num_warmups,
+                      dataset_path, log_dir)
+        if machine is not None:
+            add_floor(out, model_cfg, max_tokens, max_concurrency, machine)
+        results.append(out)
     doc = {"machine": machine_info(), "workload": {"dataset": "sharegpt", "num_prompts": num_prompts,
                                                    "max_tokens": max_tokens, "max_concurrency": max_concurrency,
                                                    "ignore_eos": ignore_eos}, "servers": results}
+    if machine is not None:
+        doc["machine"]["floors"] = asdict(machine)
+        print(floors_line(machine, results))
     print(peers_table(results))
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -116,6 +130,7 @@ def run_one(spec: ServerSpec, port: int, num_prompts: int, max_tokens: int, max_
         sampler.reset_peak()  # the peak while serving, at its configured cache size
         outcome = asyncio.run(_sampled(run_benchmark(bench), sampler))
         out["result"] = {k: v for k, v in outcome.doc.items() if k != "requests"}
+        out["prompt_lens"] = [r["prompt_len"] for r in outcome.doc.get("requests", ()) if r.get("success")]
     except Exception as e:  # a peer that cannot start is a row with its error, not a crash of the whole run
         out["error"] = f"{type(e).__name__}: {e}"
     finally:
@@ -198,6 +213,47 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def _measure_machine():
+    from bench.floors import measure_machine
+
+    m = measure_machine()
+    print(f"pdserve bench peers: floors: {m.dtype} GEMM {m.gemm_flops / 1e9:.0f} GFLOP/s, memcpy "
+          f"{m.memcpy_bytes_per_s / 1e9:.0f} GB/s ({m.threads} threads)", file=sys.stderr, flush=True)
+    return m
+
+
+def _model_config(model: str):
+    from engine.model_config import ModelConfig
+    from engine.model_loader import resolve_model
+
+    return ModelConfig.from_pretrained(resolve_model(model))
+
+
+def add_floor(out: dict[str, Any], model_cfg, max_tokens: int, max_concurrency: int, machine) -> None:
+    """Put the workload's floor for the prompts this server was sent, and its fraction of it, in ``out``."""
+    from bench.floors import workload_floor
+
+    res, lens = out.get("result"), out.get("prompt_lens")
+    if not res or not lens:
+        return
+    floor = workload_floor(model_cfg, lens, max_tokens, max_concurrency, machine)
+    out["floor"] = floor.as_dict()
+    out["floor_fraction"] = res["output_throughput"] / floor.output_tok_s
+
+
+def floors_line(machine, results: list[dict[str, Any]]) -> str:
+    """One line: the machine's probes and the workload's floor (from the first server with one)."""
+    floor = next((r["floor"] for r in results if "floor" in r), None)
+    text = (f"machine floor ({machine.threads} threads, {machine.dtype}): GEMM {machine.gemm_flops / 1e9:.0f} GFLOP/s, "
+            f"memcpy {machine.memcpy_bytes_per_s / 1e9:.0f} GB/s")
+    if floor:
+        text += (f"; workload floor {floor['floor_s']:.2f} s = prefill {floor['prefill_s']:.2f} s "
+                 f"({floor['prefill_flops'] / 1e12:.2f} TFLOP) + decode {floor['decode_s']:.2f} s "
+                 f"({floor['decode_steps']} steps x {floor['weight_bytes'] / 2**20:.0f} MiB) "
+                 f"= {floor['output_tok_s']:.0f} output tok/s")
+    return text
+
+
 def machine_info() -> dict[str, Any]:
     """CPU model, the ISA flags that choose kernels, cores, and the 1-minute load at the start."""
     flags: list[str] = []
@@ -216,10 +272,11 @@ def machine_info() -> dict[str, Any]:
 
 
 def peers_table(results: list[dict[str, Any]]) -> str:
-    """One row per server; ratio = its output tok/s over the first server's."""
+    """One row per server; ratio = its output tok/s over the first server's; floor % = its output
+    tok/s over the workload floor's (when measured)."""
     ref = (results[0].get("result") or {}).get("output_throughput") if results else None
     head = (f"{'server':<16}{'out tok/s':>10}{'ratio':>7}{'TTFT p50/p99 ms':>18}{'TPOT p50':>10}"
-            f"{'ITL p99':>9}{'peak RSS MiB':>14}{'failed':>8}")
+            f"{'ITL p99':>9}{'peak RSS MiB':>14}{'floor %':>9}{'failed':>8}")
     rows = [head, "-" * len(head)]
     for r in results:
         res = r.get("result")
@@ -229,6 +286,7 @@ def peers_table(results: list[dict[str, Any]]) -> str:
         tput = res["output_throughput"]
         ratio = f"{tput / ref:.2f}" if ref else "-"
         ttft = f"{res['median_ttft_ms']:.0f} / {res['p99_ttft_ms']:.0f}"
+        floor = f"{100 * r['floor_fraction']:.0f}" if "floor_fraction" in r else "-"
         rows.append(f"{r['name']:<16}{tput:>10.1f}{ratio:>7}{ttft:>18}{res['median_tpot_ms']:>10.1f}"
-                    f"{res['p99_itl_ms']:>9.0f}{r['peak_rss_mib']:>14.0f}{res['failed']:>8}")
+                    f"{res['p99_itl_ms']:>9.0f}{r['peak_rss_mib']:>14.0f}{floor:>9}{res['failed']:>8}")
     return "\n".join(rows)

@@ -42,3 +42,28 @@ def test_rss_sampler_counts_child_processes():
     finally:
         child.kill()
         child.wait()
+
+
+def test_workload_floor_adds_prefill_flops_over_gemm_peak_and_decode_weight_reads_over_bandwidth():
+    from types import SimpleNamespace
+
+    from bench.floors import MachineFloors, workload_floor
+    from bench.peers import add_floor
+
+    cfg = SimpleNamespace(num_layers=2, hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1,
+                          head_dim=4, vocab_size=32)
+    machine = MachineFloors("bfloat16", 2, gemm_flops=1e6, memcpy_bytes_per_s=1e5)
+    f = workload_floor(cfg, [10, 20, 30], output_tokens=4, concurrency=2, machine=machine)
+    per_layer = 8 * (8 + 2 * 4) + 8 * 8 + 3 * 8 * 16          # qkv, o, gate/up/down
+    params = 2 * per_layer + 32 * 8                          # + the LM head
+    prefill = sum(2 * 2 * per_layer * n + 2 * 32 * 8 + 2 * 2 * n * n * 8 for n in (10, 20, 30))
+    assert f.weight_bytes == 2 * params and f.decode_steps == 2 * 3  # 2 waves x (4 - 1) steps
+    assert f.prefill_flops == prefill and f.prefill_s == prefill / 1e6
+    assert f.decode_s == 6 * 2 * params / 1e5 and f.floor_s == f.prefill_s + f.decode_s
+    assert abs(f.output_tok_s - 12 / f.floor_s) < 1e-9
+    row = {"name": "x", "result": {"output_throughput": f.output_tok_s / 4, "median_ttft_ms": 1, "p99_ttft_ms": 2,
+                                   "median_tpot_ms": 3, "p99_itl_ms": 4, "failed": 0},
+           "prompt_lens": [10, 20, 30], "peak_rss_mib": 1}
+    add_floor(row, cfg, 4, 2, machine)
+    assert abs(row["floor_fraction"] - 0.25) < 1e-9
+    assert peers_table([row]).splitlines()[2].split()[-2] == "25"

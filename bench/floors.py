@@ -1,0 +1,87 @@
+"""The machine's floor for a serving workload, measured in the run that measures the servers.
+
+floor seconds = prefill FLOPs / GEMM peak + decode steps x weight bytes / memory bandwidth
+
+- GEMM peak: best-of square ``torch.mm`` FLOP/s in the serving dtype, at the cores available
+  (bench/engine.py's probe); memory bandwidth: its memcpy probe (bytes read + written per s).
+- prefill FLOPs: every measured prompt once through the model (linear layers, the LM head for the
+  last token, causal attention), bench/engine.py's count.
+- decode steps: ceil(requests / concurrency) waves of (max_tokens - 1) steps (the first token
+  comes from the prefill), each reading every weight once (decoder linears + LM head).
+
+It ignores what a real server cannot avoid (attention reads of the KV cache, per-op overhead,
+the client, the router), so it is a bound no server reaches; a server's fraction of it is
+floor seconds / its benchmark duration = its output tok/s / the floor's output tok/s.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+GEMM_SIZE = 1536   # M = N = K of the GEMM probe (bench engine's default)
+MEMCPY_MIB = 512   # size of the bandwidth probe's tensor
+
+
+@dataclass(frozen=True)
+class MachineFloors:
+    """dtype: the serving dtype probed; gemm_flops: FLOP/s; memcpy_bytes_per_s: bytes read + written per s."""
+
+    dtype: str
+    threads: int
+    gemm_flops: float
+    memcpy_bytes_per_s: float
+
+
+@dataclass(frozen=True)
+class WorkloadFloor:
+    """prefill_s + decode_s = floor_s (seconds); output_tok_s = output tokens / floor_s."""
+
+    prefill_flops: float
+    decode_steps: int
+    weight_bytes: int
+    prefill_s: float
+    decode_s: float
+    floor_s: float
+    output_tok_s: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def measure_machine(dtype: str = "auto", threads: int | None = None) -> MachineFloors:
+    """GEMM peak and copy bandwidth now, with ``threads`` torch threads (default: the cores available).
+    dtype "auto" resolves as the servers do (bf16 with native bf16, else fp32)."""
+    import torch
+
+    from bench.engine import _floors
+    from engine import platform
+
+    name = platform.resolve_dtype_name(dtype, "cpu")
+    threads = threads or len(os.sched_getaffinity(0))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        f = _floors([name], GEMM_SIZE, MEMCPY_MIB)
+    finally:
+        torch.set_num_threads(before)
+    return MachineFloors(name, threads, f["gemm_flops"][name], f["memcpy_bytes_per_s"])
+
+
+def workload_floor(model_cfg, prompt_lens: Sequence[int], output_tokens: int, concurrency: int,
+                   machine: MachineFloors) -> WorkloadFloor:
+    """The floor of serving ``prompt_lens`` (tokens each) with ``output_tokens`` each at ``concurrency``."""
+    from bench.engine import _linear_params, _prefill_flops
+
+    layers, head = _linear_params(model_cfg)
+    elt = 2 if machine.dtype in ("bfloat16", "float16") else 4
+    weight_bytes = (layers + head) * elt
+    flops = sum(_prefill_flops(model_cfg, n) for n in prompt_lens)
+    steps = math.ceil(len(prompt_lens) / concurrency) * max(0, output_tokens - 1)
+    prefill_s = flops / machine.gemm_flops
+    decode_s = steps * weight_bytes / machine.memcpy_bytes_per_s
+    floor_s = prefill_s + decode_s
+    return WorkloadFloor(flops, steps, weight_bytes, prefill_s, decode_s, floor_s,
+                         len(prompt_lens) * output_tokens / floor_s if floor_s > 0 else math.inf)
