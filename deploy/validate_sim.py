@@ -104,13 +104,16 @@ def real_runs(a, rates: list[float], dtype: str) -> tuple[dict, list[dict]]:
                        threads_per_worker=cores.threads, cpu_cores=cores.cores,
                        max_num_batched_tokens=a.max_num_batched_tokens)
     def bench(url: str, n: int, rate: float, concurrency: int | None, seed: int) -> dict:
+        # no warm-up inside a run: bench serve warms up with the run's own first prompts, which
+        # would then hit the prefix cache when measured; the cluster is warmed up once instead
         spec = BenchSpec(backend="pdserve-grpc", url=url, model=None, tokenizer=None,
                          dataset=DatasetConfig("random", None, n, None, a.input_len, a.output_len, 0.0, 0, 1, seed),
-                         loads=[LoadConfig(rate, 1.0, concurrency, 2, seed, False)], slo=None, sweep=False,
+                         loads=[LoadConfig(rate, 1.0, concurrency, 0, seed, False)], slo=None, sweep=False,
                          attainment_target=0.9, ignore_eos=True, include_usage=True, timeout_s=600.0)
         return asyncio.run(run_benchmark(spec)).doc
 
     with LocalServing(spec, RouterConfig(port=0, http_port=None, mode="disagg", max_waiting=1024)) as s:
+        bench(s.grpc_address, 2, math.inf, 1, a.seed + 200)  # warm-up, discarded (prompts of their own)
         lone = bench(s.grpc_address, a.lone, math.inf, 1, a.seed + 100)
         docs = [bench(s.grpc_address, a.num_prompts, rate, None, a.seed + i) for i, rate in enumerate(rates)]
     return lone, docs
