@@ -51,9 +51,9 @@ def command(
     model: Annotated[str, typer.Option(help="Model served by every configuration.", rich_help_panel=_W)] = "smollm2-135m-instruct",
     dataset: Annotated[str, typer.Option(help="sharegpt | grounded | prefix | random (bench serve's datasets).", rich_help_panel=_W)] = "sharegpt",
     dataset_path: Annotated[Optional[Path], typer.Option(help="ShareGPT JSONL (default: ../shared/data).", rich_help_panel=_W)] = None,
-    num_prompts: Annotated[int, typer.Option(help="Request pool; tier c sends its first min(N, max(--min-requests, 2c)).", rich_help_panel=_W)] = 64,
+    num_prompts: Annotated[int, typer.Option(help="Most requests per tier: tier c sends min(N, max(--min-requests, 2c)) prompts of its own (no prompt is sent twice to a server).", rich_help_panel=_W)] = 64,
     min_requests: Annotated[int, typer.Option(help="Fewest requests a tier sends.", rich_help_panel=_W)] = 8,
-    max_tokens: Annotated[int, typer.Option(help="Output tokens per request (EOS ignored, so every config generates as many).", rich_help_panel=_W)] = 64,
+    max_tokens: Annotated[int, typer.Option(help="Output tokens per request (EOS ignored, so every config generates as many).", rich_help_panel=_W)] = 32,
     concurrency: Annotated[str, typer.Option(help="Concurrency tiers, e.g. 1,16,64.", rich_help_panel=_W)] = "1,16,64",
     slo: Annotated[str, typer.Option(help="Request goodput's SLOs in ms, e.g. ttft:2000,tpot:200.", rich_help_panel=_W)] = "ttft:2000,tpot:200",
     num_warmups: Annotated[int, typer.Option(help="Requests sent to each server first, excluded.", rich_help_panel=_W)] = 2,
@@ -73,9 +73,9 @@ def command(
     ray_address: Annotated[str, typer.Option(help="Join this Ray cluster instead of each server starting its own.", rich_help_panel=_L)] = "",
     interaction_threshold: Annotated[float, typer.Option(help="Flag a technique whose isolated gain and leave-one-out gain differ in sign or by more than this (0.15 = 15 points).", rich_help_panel=_L)] = 0.15,
     quality_text: Annotated[Optional[Path], typer.Option(help="Held text for perplexity (default: ../shared/data/wikitext-2-raw-test.txt).", rich_help_panel=_Q)] = None,
-    quality_max_tokens: Annotated[int, typer.Option(help="Tokens of the held text scored.", rich_help_panel=_Q)] = 2048,
-    quality_context: Annotated[int, typer.Option(help="Perplexity window (tokens).", rich_help_panel=_Q)] = 512,
-    quality_stride: Annotated[int, typer.Option(help="Perplexity stride (tokens).", rich_help_panel=_Q)] = 256,
+    quality_max_tokens: Annotated[int, typer.Option(help="Tokens of the held text scored.", rich_help_panel=_Q)] = 4096,
+    quality_context: Annotated[int, typer.Option(help="Perplexity window (tokens; eval ppl's default).", rich_help_panel=_Q)] = 1024,
+    quality_stride: Annotated[int, typer.Option(help="Perplexity stride (tokens; eval ppl's default).", rich_help_panel=_Q)] = 512,
     greedy_prompts: Annotated[int, typer.Option(help="Prompts of the greedy-agreement check (the pool's first).", rich_help_panel=_Q)] = 8,
     greedy_tokens: Annotated[int, typer.Option(help="Greedy tokens per prompt.", rich_help_panel=_Q)] = 32,
     gate_fp8_ppl: Annotated[float, typer.Option(help="FP8 weights: allowed perplexity increase, %.", rich_help_panel=_Q)] = 2.0,
@@ -146,9 +146,21 @@ def parse_tiers(text: str) -> tuple[int, ...]:
     return tiers
 
 
-def requests_for_tier(c: int, pool: int, least: int) -> int:
-    """Requests a tier of concurrency c sends: two waves of c, at least ``least``, at most the pool."""
-    return min(pool, max(least, 2 * c))
+def requests_for_tier(c: int, most: int, least: int) -> int:
+    """Requests a tier of concurrency c sends: two waves of c, at least ``least``, at most ``most``."""
+    return min(most, max(least, 2 * c))
+
+
+def tier_slices(tiers: Sequence[int], most: int, least: int, warmups: int) -> tuple[slice, list[slice]]:
+    """Where the warm-up and each tier take their requests in the pool: disjoint slices, so no
+    tier sends a prompt a server has already seen (prefix caching would otherwise be measured on
+    repeats); every configuration gets the same slices, so the same requests."""
+    warm, start, out = slice(0, warmups), warmups, []
+    for c in tiers:
+        n = requests_for_tier(c, most, least)
+        out.append(slice(start, start + n))
+        start += n
+    return warm, out
 
 
 class AblationRun:
@@ -231,7 +243,9 @@ class AblationRun:
 
         w = self.workload
         path = Path(w["dataset_path"]) if w["dataset_path"] else None
-        cfg = DatasetConfig(w["dataset"], path, w["num_prompts"], w["max_tokens"], seed=w["seed"])
+        _, slices = tier_slices(self.tiers, w["num_prompts"], w["min_requests"], w["num_warmups"])
+        pool = max(slices[-1].stop, w["num_warmups"] + w["greedy_prompts"])
+        cfg = DatasetConfig(w["dataset"], path, pool, w["max_tokens"], seed=w["seed"])
         tok = None
         if w["dataset"] != "sharegpt":
             from engine.model_loader import load_tokenizer, resolve_model
@@ -308,21 +322,26 @@ class AblationRun:
         from bench.metrics import summarize
         from bench.peers import _sampled
 
+        from bench.load import warm_up
+
         w = self.workload
+        warm, slices = tier_slices(self.tiers, w["num_prompts"], w["min_requests"], w["num_warmups"])
         target = await create_backend("openai", url, None, ignore_eos=True, include_usage=True, timeout_s=600.0)
         try:
-            for i, c in enumerate(self.tiers):
-                n = requests_for_tier(c, len(requests), w["min_requests"])
-                load = LoadConfig(math.inf, 1.0, c, w["num_warmups"] if i == 0 else 0, w["seed"], self.progress)
+            await warm_up(target, requests[warm])
+            for c, sl in zip(self.tiers, slices):
+                load = LoadConfig(math.inf, 1.0, c, 0, w["seed"], self.progress)
                 await scraper.start()
                 rss.reset_peak()
-                result = await _sampled(run_load(target, requests[:n], load), rss)
+                result = await _sampled(run_load(target, requests[sl], load), rss)
                 kv = await scraper.stop()
                 figures = summarize(result.records, result.duration_s, self.slo)
-                rows.append(self._row(p, c, figures, kv=kv, peak_rss_mib=rss.peak / 2**20, num_requests=n))
+                rows.append(self._row(p, c, figures, kv=kv, peak_rss_mib=rss.peak / 2**20,
+                                      num_requests=sl.stop - sl.start, requests=[sl.start, sl.stop]))
         finally:
             await target.close()
-        prompts = [r.prompt for r in requests[:w["greedy_prompts"]]]
+        # the greedy prompts come after the warm-up: the pool's first prompts after it
+        prompts = [r.prompt for r in requests[warm.stop:warm.stop + w["greedy_prompts"]]]
         is_baseline = not p.techniques
         outs = await greedy_completions(url, prompts, w["greedy_tokens"], with_logprobs=is_baseline)
         if is_baseline:

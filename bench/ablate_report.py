@@ -115,23 +115,25 @@ def _ladder_latency(doc, path: Path) -> Path:
 
 
 def _quality_speed(doc, path: Path) -> Path:
-    """Per configuration with a perplexity: its perplexity delta against its throughput gain over
-    the baseline at the highest tier; failing configurations in red."""
+    """Per technique measured alone: its perplexity delta against its isolated throughput gain
+    at the highest tier (the analysis' ``isolated_gain``); failing ones as red crosses."""
     plt = _pyplot()
     top = max(doc["workload"]["concurrency"])
-    base = _value(doc, "baseline", top, "output_throughput")
+    a = doc["analysis"]
+    gains = {i["technique"]: i["isolated_gain"] for i in a["interactions"] if i["concurrency"] == top}
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, q in doc["analysis"]["quality"].items():
-        if q.get("perplexity_delta") is None:
+    for t, names in a["roles"].items():
+        q = a["quality"].get(names.get("isolation", ""), {})
+        if q.get("perplexity_delta") is None or gains.get(t) is None:
             continue
-        gain = _value(doc, name, top, "output_throughput") / base - 1.0 if base == base and base else float("nan")
-        color = "tab:red" if q.get("quality_ok") is False else "tab:blue"
-        ax.scatter([100 * q["perplexity_delta"]], [100 * gain], color=color, marker="x" if color == "tab:red" else "o")
-        ax.annotate(name, (100 * q["perplexity_delta"], 100 * gain), fontsize=7, xytext=(3, 3),
-                    textcoords="offset points")
+        x, y = 100 * q["perplexity_delta"], 100 * gains[t]
+        bad = q.get("quality_ok") is False
+        ax.scatter([x], [y], color="tab:red" if bad else "tab:blue", marker="x" if bad else "o")
+        ax.annotate(t, (x, y), fontsize=8, xytext=(3, 3), textcoords="offset points")
     ax.axvline(0, color="grey", lw=0.8)
-    ax.set(title=f"Quality vs speed (concurrency {top}; red: fails its quality gate)",
-           xlabel="perplexity change vs baseline (%)", ylabel="output tok/s change vs baseline (%)")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set(title=f"Quality vs speed per technique, alone (concurrency {top}; red: fails its gate)",
+           xlabel="perplexity change vs baseline (%)", ylabel="output tok/s gain alone (%)")
     ax.grid(alpha=0.3)
     return _save(fig, path)
 

@@ -80,12 +80,14 @@ def test_greedy_agreement_stops_at_the_first_near_tie():
 
 
 def test_worker_metrics_parse_kv_usage_and_preemptions():
-    from bench.ablate import parse_worker_metrics, requests_for_tier
+    from bench.ablate import parse_worker_metrics, requests_for_tier, tier_slices
 
     text = ('# TYPE pdserve:kv_cache_usage_perc gauge\npdserve:kv_cache_usage_perc{worker_id="a"} 0.25\n'
             '# TYPE pdserve:num_preemptions counter\npdserve:num_preemptions_total{worker_id="a"} 3.0\n')
     assert parse_worker_metrics(text) == {"usage": 0.25, "preempt": 3.0}
     assert [requests_for_tier(c, 64, 8) for c in (1, 16, 64)] == [8, 32, 64]
+    warm, tiers = tier_slices((1, 16, 64), 64, 8, 2)   # disjoint: no server sees a prompt twice
+    assert (warm.start, warm.stop) == (0, 2) and [(t.start, t.stop) for t in tiers] == [(2, 10), (10, 42), (42, 106)]
 
 
 def test_bad_flags_are_one_line_exit_2(capsys):
@@ -107,7 +109,7 @@ def test_small_ablation_end_to_end(ray_session, tmp_path, capsys):
     out = tmp_path / "ablate.json"
     argv = ["bench", "ablate", "--techniques", "continuous,fp8-broken", "--isolation", "fp8-broken",
             "--leave-one-out", "continuous,fp8-broken", "--concurrency", "1,2", "--num-prompts", "3",
-            "--min-requests", "2", "--max-tokens", "3", "--num-warmups", "1", "--greedy-prompts", "3",
+            "--min-requests", "2", "--max-tokens", "3", "--num-warmups", "0", "--greedy-prompts", "3",
             "--greedy-tokens", "4", "--quality-max-tokens", "96", "--quality-context", "64", "--quality-stride", "32",
             "--serve-args", "--num-blocks 64 --max-num-seqs 4 --threads-per-worker 1",
             "--ray-address", address, "--json", str(out), "--plot", str(tmp_path / "plots"),
