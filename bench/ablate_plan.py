@@ -144,7 +144,8 @@ def closure(names: Iterable[str], known: dict[str, Technique]) -> set[str]:
 
 
 def check_compatible(names: set[str], known: dict[str, Technique], flag: str) -> None:
-    for n in names:
+    """UserError naming the first clash in catalog order (deterministic, whatever the set's order)."""
+    for n in (x for x in known if x in names):
         clash = [x for x in known[n].excludes if x in names]
         if clash:
             raise UserError(f"{flag}: {n} and {clash[0]} cannot be combined (one weight format at a time)")

@@ -41,7 +41,7 @@ def test_plan_refuses_a_technique_before_what_it_needs_and_exclusive_weights():
     known = P.catalog()
     with pytest.raises(UserError, match="spec needs continuous"):
         P.build_plan(("spec", "continuous"), (), (), known)
-    with pytest.raises(UserError, match="int8 and fp8"):
+    with pytest.raises(UserError, match="int8 and fp8 cannot be combined"):
         P.build_plan(("continuous", "int8", "fp8"), (), (), known)
     with pytest.raises(UserError, match="--leave-one-out"):
         P.build_plan(("continuous",), (), ("int8",), known)
