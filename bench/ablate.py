@@ -235,6 +235,7 @@ class AblationRun:
                 self._save(doc)
                 bar.update(1)
         finalize(doc, self.plans, self.ladder, self.tiers, self.gates, self.interaction_threshold)
+        doc["machine"]["load_avg_1m_end"] = os.getloadavg()[0]   # figures under load are not final
         self._save(doc)
         return doc
 

@@ -179,7 +179,8 @@ def report_markdown(doc: dict[str, Any], plot_dir: Path | None = None, relative_
     a, w, m = doc["analysis"], doc["workload"], doc["machine"]
     out = ["# pdserve bench ablate", "",
            f"Model `{w['model']}` on {m.get('cpu') or 'this CPU'} ({m.get('cores')} cores, ISA "
-           f"{', '.join(m.get('isa_flags') or []) or '-'}, load {m.get('load_avg_1m', 0):.1f} at the start); "
+           f"{', '.join(m.get('isa_flags') or []) or '-'}, 1-minute load {m.get('load_avg_1m', 0):.1f} at the start, "
+           f"{m.get('load_avg_1m_end', float('nan')):.1f} at the end); "
            f"dataset {w['dataset']}, {w['max_tokens']} output tokens per request (EOS ignored), concurrency "
            f"{', '.join(map(str, w['concurrency']))}; request goodput under SLO {w['slo']}. "
            "Each configuration is a `pdserve serve` measured through the `bench serve` client on the same requests.",
