@@ -93,7 +93,8 @@ def test_serve_subprocess_health_answer_sigint(tmp_path):
     log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen([str(PDSERVE), "serve", "--mode", "disagg", "--prefill", "1", "--decode", "1", "--port", str(grpc_port),
                              "--http-port", str(http_port), "--metrics-port", str(metrics_port),
-                             "--num-blocks", "256", "--registry", redis.url, "--routers", "2"],
+                             "--num-blocks", "256", "--registry", redis.url, "--routers", "2",
+                             "--internal-secret-file", str(tmp_path / "secret")],  # created: the extra router reads it
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     extra = None
     try:
@@ -120,7 +121,8 @@ def test_serve_subprocess_health_answer_sigint(tmp_path):
         assert _answer(f"127.0.0.1:{grpc_port + 1}") == text  # the second replica: same cluster, same greedy text
         extra_log = tmp_path / "router.log"
         extra = subprocess.Popen([str(PDSERVE), "router", "--registry", redis.url, "--mode", "disagg", "--port",
-                                  str(extra_port), "--http-port", "-1"], cwd=REPO, env=env,
+                                  str(extra_port), "--http-port", "-1", "--internal-secret-file",
+                                  str(tmp_path / "secret")], cwd=REPO, env=env,
                                  stdout=extra_log.open("w"), stderr=subprocess.STDOUT)
         with RouterClient(f"127.0.0.1:{extra_port}", timeout_s=60) as client:
             _wait_serving(client, extra, time.monotonic() + 120, extra_log)

@@ -371,17 +371,18 @@ def test_decode_worker_that_caches_the_prefix_receives_only_the_uncached_blocks(
 
     async def run() -> list[tuple[str, int, int, int]]:
         router = Router(CallableRegistry(serving.controller.list_workers),
-                        RouterConfig(port=0, http_port=None, mode="disagg"))
+                        RouterConfig(port=0, http_port=None, mode="disagg",
+                                     internal_secret=serving.controller.internal_secret))
         ep = await router.start()
         seen: list[tuple[int, int, int]] = []
-        orig = router.orchestrator._prefill_with_retry
+        orig = router.orchestrator._prefill
 
-        async def capture(legs, prompt_ids, sampling, dest, deadline):
-            p, first = await orig(legs, prompt_ids, sampling, dest, deadline)
-            seen.append((len(prompt_ids), dest.num_cached_blocks, first.kv_bytes))
-            return p, first
+        async def capture(p, legs, dest):  # one prefill leg: its destination and what it moved
+            first = await orig(p, legs, dest)
+            seen.append((len(legs.prompt_ids), dest.num_cached_blocks, first.kv_bytes))
+            return first
 
-        router.orchestrator._prefill_with_retry = capture
+        router.orchestrator._prefill = capture
         out = []
         try:
             async with grpc.aio.insecure_channel(ep.grpc) as ch:
