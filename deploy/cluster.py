@@ -75,6 +75,8 @@ class ClusterSpec:
     # every worker API call must carry it (proto/internal_auth.py); None: the controller makes one
     internal_secret: str | None = field(default=None, repr=False)
     internal_tls: TlsFiles | None = None   # every worker serves its API over TLS (proto/tls.py)
+    kv_checksum: bool = False   # --kv-checksum (debug)
+    kv_faults: str = ""         # --kv-fault-injection (debug, kv_transfer/faults.py)
 
     def role_resources(self, role: str) -> dict[str, float]:
         return dict(self.prefill_resources if role == "prefill" else self.decode_resources)
@@ -92,7 +94,7 @@ class ClusterSpec:
                             kv_cache_memory_bytes=self.kv_cache_memory_bytes, dtype=self.dtype,
                             quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
                             speculative=self.speculative, internal_secret=self.internal_secret,
-                            tls=self.internal_tls)
+                            tls=self.internal_tls, kv_checksum=self.kv_checksum, kv_faults=self.kv_faults)
         configs = []
         for role, n in roles:
             for i in range(n):

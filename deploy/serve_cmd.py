@@ -49,6 +49,11 @@ def command(
                              "workers); disagg: --prefill P workers hand KV to --decode D workers.",
                              rich_help_panel=CLUSTER),
     kv_transport: str = typer.Option("tcp", help="nixl | torch | tcp", rich_help_panel=CLUSTER),
+    kv_checksum: bool = typer.Option(False, "--kv-checksum", help="Debug: digest each request's KV on the prefill "
+                                     "and decode worker and refuse to decode a mismatch.", rich_help_panel=CLUSTER),
+    kv_fault_injection: str = typer.Option("", help="Debug: inject KV-transport faults, e.g. "
+                                           "'drop_notify=0.1,delay_notify_s=0.02,corrupt=0.01,match=req-' "
+                                           "(kv_transfer/faults.py).", rich_help_panel=CLUSTER),
     ray_address: str = typer.Option("", help="Existing Ray cluster address; default: start a local one.",
                                     rich_help_panel=CLUSTER),
     num_gpus_per_worker: float = typer.Option(0.0, min=0.0, help="GPUs declared per worker (1 on GPU nodes).",
@@ -175,6 +180,13 @@ def command(
     check_batching(batching, mode, speculative)
     if kv_transport not in ("nixl", "torch", "tcp"):
         raise UserError(f"--kv-transport must be nixl, torch or tcp, got {kv_transport!r}")
+    if kv_fault_injection:  # imported only when asked for: kv_transfer pulls in torch
+        from kv_transfer.faults import FaultSpec
+
+        try:
+            FaultSpec.parse(kv_fault_injection)
+        except ValueError as e:
+            raise UserError(f"--kv-fault-injection: {e}") from None
     if mode == "disagg" and prefill < 1:
         raise UserError("--prefill must be >= 1 in disagg mode")
     _check_readable(chat_template, "--chat-template")
@@ -204,7 +216,7 @@ def command(
                        prefill_resources=parse_resources(prefill_resources, "--prefill-resources"),
                        decode_resources=parse_resources(decode_resources, "--decode-resources"),
                        registry_url=registry_url, speculative=speculative, internal_secret=internal_secret,
-                       internal_tls=internal_tls)
+                       internal_tls=internal_tls, kv_checksum=kv_checksum, kv_faults=kv_fault_injection)
     router = RouterConfig(host=host, port=port, http_port=None if http_port < 0 else http_port,
                           metrics_port=spec.metrics_port, mode=mode, local_prefill_threshold=local_prefill_threshold,
                           max_waiting=max_waiting, drain_grace_s=drain_seconds, served_model_name=served_model_name,

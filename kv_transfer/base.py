@@ -201,8 +201,7 @@ class TransferHandle:
         if self._state.is_final:
             return self._state
         self._progress()
-        if not self._state.is_final and time.monotonic() > self.deadline:
-            self._on_timeout()
+        if not self._state.is_final and time.monotonic() > self.deadline and self._on_timeout():
             self._finish(TransferState.FAILED, f"timed out after {self.timeout_s:g}s")
         return self._state
 
@@ -250,14 +249,25 @@ class TransferHandle:
     def _request_cancel(self) -> None:
         """Start cancelling (default: the backend's sender notices ``cancel_requested``)."""
 
-    def _on_timeout(self) -> None:
-        """Release backend resources of a transfer that timed out."""
+    def _on_timeout(self) -> bool:
+        """Release backend resources of a transfer that timed out; return whether nothing of it can
+        still land (only then does the handle become FAILED; otherwise it stays PENDING, with a
+        cancel requested, until the backend confirms)."""
+        return True
 
 
 class KVTransport(ABC):
     """Moves blocks of the local paged KV cache to and from peers. See the module docstring."""
 
     name: str = ""
+    fences_writes: bool = False
+    """Whether this backend, as receiver, drops writes that the installed ``fence.WriteFence``
+    refuses (tcp, torch, local). False for one-sided backends (NIXL): there the receiver must keep
+    a closed reservation's blocks until every sender settled (decode_worker/worker.py)."""
+
+    def set_fence(self, fence) -> None:
+        """Install the receiver's ``fence.WriteFence`` (see ``fences_writes``)."""
+        self.fence = fence
 
     @abstractmethod
     def register_cache(self, cache: PagedKVCache, compat: CompatKey) -> bytes:
@@ -276,12 +286,14 @@ class KVTransport(ABC):
 
     @abstractmethod
     def write(self, peer: str, src_blocks: Sequence[int], dst_blocks: Sequence[int], layers: Sequence[int],
-              notify: str, timeout_s: float) -> TransferHandle:
+              notify: str, timeout_s: float, not_after_unix: float | None = None) -> TransferHandle:
         """Push K and V of ``layers`` from local ``src_blocks[i]`` into the peer's ``dst_blocks[i]``.
 
         The peer's ``poll_notifications`` returns ``notify`` once every byte has landed. Contiguous
-        runs (consecutive in both lists) move as one descriptor. Raises ValueError on bad block ids
-        or layers (before anything moves), UnknownPeer for a peer not added.
+        runs (consecutive in both lists) move as one descriptor. ``not_after_unix``: the
+        destination reservation's expiry (wall clock); a write not yet started by then never
+        starts (its handle ends CANCELLED). Raises ValueError on bad block ids or layers (before
+        anything moves), UnknownPeer for a peer not added.
         """
 
     @abstractmethod
@@ -311,6 +323,18 @@ class KVTransport(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def expired(not_after_unix: float | None) -> bool:
+    """Whether a destination reservation with this expiry (wall clock; None: none) is over."""
+    return not_after_unix is not None and time.time() >= not_after_unix
+
+
+def expired_handle(peer: str, notify: str, timeout_s: float) -> TransferHandle:
+    """The handle of a write refused because its reservation expired before it started."""
+    handle = TransferHandle(peer, notify, timeout_s, 0)
+    handle._finish(TransferState.CANCELLED, "the destination reservation expired before the write started")
+    return handle
 
 
 def check_cache(cache: PagedKVCache, compat: CompatKey) -> None:

@@ -10,7 +10,9 @@ import threading
 from typing import Sequence
 
 from engine.kv_cache import PagedKVCache
-from kv_transfer.base import CompatKey, KVTransport, TransferHandle, UnknownPeer, check_cache
+from kv_transfer.base import (CompatKey, KVTransport, TransferHandle, UnknownPeer, check_cache, expired,
+                              expired_handle)
+from kv_transfer.fence import WriteFence
 from kv_transfer.plan import check_blocks, check_layers, coalesce, plan
 from kv_transfer.session import NotificationQueue, PeerSession
 
@@ -22,6 +24,13 @@ class FramedTransport(KVTransport):
         self._sessions: dict[str, PeerSession] = {}
         self._sessions_lock = threading.Lock()
         self._notifications = NotificationQueue()
+        self.fence: WriteFence | None = None
+
+    fences_writes = True  # the receiver sees every DATA frame and drops those the fence refuses
+
+    def set_fence(self, fence: WriteFence | None) -> None:
+        """Check every incoming write against ``fence`` (None: accept every in-range write)."""
+        self.fence = fence
 
     def _register(self, cache: PagedKVCache, compat: CompatKey) -> None:
         if self.cache is not None:
@@ -37,6 +46,7 @@ class FramedTransport(KVTransport):
     def _new_session(self, peer_id: str, peer_num_blocks: int) -> PeerSession:
         cache = self._require_cache()
         session = PeerSession(peer_id, cache.data, cache.spec.block_bytes, peer_num_blocks, self._notifications)
+        session.fence = lambda: self.fence
         with self._sessions_lock:
             old = self._sessions.get(peer_id)
             self._sessions[peer_id] = session
@@ -51,8 +61,10 @@ class FramedTransport(KVTransport):
         return session
 
     def write(self, peer: str, src_blocks: Sequence[int], dst_blocks: Sequence[int], layers: Sequence[int],
-              notify: str, timeout_s: float) -> TransferHandle:
+              notify: str, timeout_s: float, not_after_unix: float | None = None) -> TransferHandle:
         cache, session = self._require_cache(), self._session(peer)
+        if expired(not_after_unix):
+            return expired_handle(peer, notify, timeout_s)
         src_blocks, dst_blocks = check_blocks(src_blocks, dst_blocks, cache.spec.num_blocks,
                                               session.peer_num_blocks)
         descs = plan(check_layers(layers, cache.spec.num_layers), coalesce(src_blocks, dst_blocks))

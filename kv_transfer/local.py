@@ -13,7 +13,8 @@ from typing import Sequence
 
 from engine.kv_cache import PagedKVCache
 from kv_transfer.base import (CompatKey, KVTransport, TransferHandle, TransferState, UnknownPeer, check_cache,
-                              decode_metadata, encode_metadata)
+                              decode_metadata, encode_metadata, expired, expired_handle)
+from kv_transfer.landing import tag_key
 from kv_transfer.plan import Desc, check_blocks, check_layers, coalesce, plan, region
 from kv_transfer.session import NotificationQueue
 
@@ -24,6 +25,7 @@ _lock = threading.Lock()
 
 class LocalTransport(KVTransport):
     name = "local"
+    fences_writes = True
 
     def __init__(self) -> None:
         self.local_id = f"local:{next(_ids)}"
@@ -31,6 +33,7 @@ class LocalTransport(KVTransport):
         self.compat: CompatKey | None = None
         self._notifications = NotificationQueue()
         self._peers: set[str] = set()
+        self.fence = None
 
     def register_cache(self, cache: PagedKVCache, compat: CompatKey) -> bytes:
         check_cache(cache, compat)
@@ -55,8 +58,23 @@ class LocalTransport(KVTransport):
         return other
 
     def write(self, peer: str, src_blocks: Sequence[int], dst_blocks: Sequence[int], layers: Sequence[int],
-              notify: str, timeout_s: float) -> TransferHandle:
+              notify: str, timeout_s: float, not_after_unix: float | None = None) -> TransferHandle:
         other = self._peer(peer)
+        if expired(not_after_unix):
+            return expired_handle(peer, notify, timeout_s)
+        if other.fence is not None:  # the receiver's fence, checked as its frames would be
+            key = tag_key(notify)
+            admitted = [b for b in dst_blocks if other.fence.begin(key, int(b), 1)]
+            try:
+                if len(admitted) < len(dst_blocks):
+                    handle = TransferHandle(peer, notify, timeout_s, 0)
+                    handle._finish(TransferState.CANCELLED, "fenced by the receiver: the reservation is no longer live")
+                    return handle
+                return self._move(other, self.cache, other.cache, src_blocks, dst_blocks, layers, peer, notify,
+                                  timeout_s)
+            finally:
+                for _ in admitted:
+                    other.fence.end(key)
         return self._move(other, self.cache, other.cache, src_blocks, dst_blocks, layers, peer, notify, timeout_s)
 
     def read(self, peer: str, remote_blocks: Sequence[int], local_blocks: Sequence[int], layers: Sequence[int],

@@ -33,7 +33,7 @@ import numpy as np
 from engine.kv_cache import PagedKVCache
 from kv_transfer.base import (ABORTED_PREFIX, CompatKey, IncompatiblePeer, KVTransport,
                               TransferHandle, TransferState, TransportUnavailable, UnknownPeer, check_cache,
-                              decode_metadata, encode_metadata)
+                              decode_metadata, encode_metadata, expired, expired_handle)
 from kv_transfer.plan import check_blocks, check_layers, coalesce_arrays
 
 
@@ -145,9 +145,11 @@ class NixlTransport(KVTransport):
         return self._peers[peer]
 
     def write(self, peer: str, src_blocks: Sequence[int], dst_blocks: Sequence[int], layers: Sequence[int],
-              notify: str, timeout_s: float) -> TransferHandle:
+              notify: str, timeout_s: float, not_after_unix: float | None = None) -> TransferHandle:
+        if expired(not_after_unix):
+            return expired_handle(peer, notify, timeout_s)
         return self._transfer("WRITE", peer, self._layout(peer, src_blocks, dst_blocks),
-                              check_layers(layers, self.cache.spec.num_layers), notify, timeout_s)
+                              check_layers(layers, self.cache.spec.num_layers), notify, timeout_s, not_after_unix)
 
     def read(self, peer: str, remote_blocks: Sequence[int], local_blocks: Sequence[int], layers: Sequence[int],
              timeout_s: float, notify: str = "") -> TransferHandle:
@@ -170,9 +172,10 @@ class NixlTransport(KVTransport):
         return layout
 
     def _transfer(self, op: str, peer: str, layout: "_Layout", layers: list[int], notify: str,
-                  timeout_s: float) -> "NixlHandle":
+                  timeout_s: float, not_after_unix: float | None = None) -> "NixlHandle":
         """Checked here; descriptors are built and posted by the progress thread (keeps hooks cheap)."""
-        handle = NixlHandle(self, peer, notify, timeout_s, layout.nbytes_per_layer * len(layers), (op, layout, layers))
+        handle = NixlHandle(self, peer, notify, timeout_s, layout.nbytes_per_layer * len(layers), (op, layout, layers),
+                            not_after_unix)
         self._enqueue(handle)
         return handle
 
@@ -267,15 +270,21 @@ class NixlHandle(TransferHandle):
     max_poll_interval_s = 0.0002
 
     def __init__(self, transport: NixlTransport, peer: str, notify: str, timeout_s: float, nbytes: int,
-                 job: tuple) -> None:
+                 job: tuple, not_after_unix: float | None = None) -> None:
         super().__init__(peer, notify, timeout_s, nbytes)
         self.transport = transport
         self._job = job
         self._xfer = None
+        self.not_after_unix = not_after_unix
 
     def _post(self) -> None:
-        """Called by the progress thread, under the lock."""
+        """Called by the progress thread, under the lock. A write whose destination reservation
+        expired meanwhile is never posted (the fence for one-sided writes: the receiver cannot
+        drop them, so they are only ever posted while the reservation is live)."""
         if self.state.is_final:
+            return
+        if expired(self.not_after_unix):
+            self._settle_final(TransferState.CANCELLED, "the destination reservation expired before the write was posted")
             return
         op, layout, layers = self._job
         agent = self.transport.agent
@@ -338,15 +347,21 @@ class NixlHandle(TransferHandle):
             else:
                 self._try_abort()
 
-    def _on_timeout(self) -> None:
+    def _on_timeout(self) -> bool:
+        """A timed-out request becomes FAILED only once UCX released it (nothing of it can still
+        land); while it is still active it stays PENDING with a cancel requested, and the progress
+        thread keeps trying: a handle never says "over" while the peer's blocks may still be written."""
         with self.transport._lock:
             self._unsubmit()
             if self._xfer is not None:
                 try:
                     self._xfer.release()
-                except Exception:  # still active: NIXL keeps it in the agent's leak list
-                    pass
+                except Exception:  # still active
+                    self.cancel_requested = True
+                    return False
+                self._xfer = None
             self.transport._handles.discard(self)
+            return True
 
     def _unsubmit(self) -> None:
         try:

@@ -7,6 +7,12 @@ Outgoing streams are generators of frames, so a cancel or timeout is noticed bet
 
 Transfer-id spaces: ``handles`` are keyed by our ids (writes and reads we started), ``incoming``
 and ``served`` by the peer's ids (writes into us, reads we serve).
+
+The fence (``fence.WriteFence``, installed by the receiver's owner): each DATA frame of a write
+lands only if the reservation its notify tag names is live and owns the frame's blocks; otherwise
+its body is read into scratch memory and dropped, and the write's END is answered with a fenced
+ACK (the sender's handle ends CANCELLED). The I/O layer calls ``data_done`` once a DATA body is in
+(or the connection broke inside it), so the fence knows when no admitted frame is still landing.
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ import torch
 
 from kv_transfer.base import ABORTED_PREFIX, TransferHandle, TransferState
 from kv_transfer.plan import Desc, region
-from kv_transfer.wire import DESC, FLAG_READ, FLAG_STOP, Header, Kind, ProtocolError, pack_descs, unpack_descs
+from kv_transfer.fence import WriteFence
+from kv_transfer.landing import tag_key
+from kv_transfer.wire import (DESC, FLAG_FENCED, FLAG_READ, FLAG_STOP, Header, Kind, ProtocolError, pack_descs,
+                              unpack_descs)
 
 Payload = Union[bytes, torch.Tensor, None]
 Frame = tuple[Header, Payload]
@@ -64,8 +73,12 @@ class SessionHandle(TransferHandle):
         if self.is_read:  # the source must stop; a write's own frame generator notices the flag
             self.session.send(iter([control(Kind.ABORT, self.transfer_id, flags=FLAG_READ | FLAG_STOP)]))
 
-    def _on_timeout(self) -> None:
+    def _on_timeout(self) -> bool:
+        """FAILED at once: bytes of it still buffered in the connection may land later, but only
+        through the receiver's fence, which drops them once the reservation is closed."""
+        self.cancel_requested = True
         self._request_cancel()
+        return True
 
 
 @dataclass
@@ -90,6 +103,9 @@ class PeerSession:
         self.served: dict[int, _Served] = {}
         self.closed_reason: str | None = None
         self.send: Callable[[FrameStream], None] = lambda frames: None
+        self.fence: Callable[[], WriteFence | None] = lambda: None  # installed by the transport
+        self.fenced: set[int] = set()        # peer's write ids whose frames were discarded
+        self._admitted: str | None = None    # key of the DATA frame being copied in, if admitted
         self._lock = threading.Lock()
 
     # -- starting transfers ------------------------------------------------------------------
@@ -144,7 +160,21 @@ class PeerSession:
             raise ProtocolError(f"DATA out of range: layer {h.layer} kv {h.kv} blocks {h.start}+{h.count}")
         if h.body_len != h.count * self.block_bytes:
             raise ProtocolError(f"DATA body {h.body_len} bytes != {h.count} blocks x {self.block_bytes}")
+        fence = self.fence()
+        if fence is not None and not h.flags & FLAG_READ:
+            key = tag_key(self.incoming[(h.tid, 0)])
+            if h.tid in self.fenced or not fence.begin(key, h.start, h.count):
+                self.fenced.add(h.tid)  # the rest of this write is dropped too
+                return torch.empty(h.body_len, dtype=torch.uint8)  # scratch: read and dropped
+            self._admitted = key
         return as_bytes(region(self.data, h.layer, h.kv, h.start, h.count))
+
+    def data_done(self) -> None:
+        """The body of the last DATA frame is in (or the connection broke inside it)."""
+        key, self._admitted = self._admitted, None
+        fence = self.fence()
+        if key is not None and fence is not None:
+            fence.end(key)
 
     def on_frame(self, h: Header, body: bytes) -> list[FrameStream]:
         """Apply a non-DATA frame (or a DATA frame whose body has landed); return frames to send."""
@@ -166,6 +196,9 @@ class PeerSession:
             raise ProtocolError(f"END for unknown transfer {h.tid}")
         if read:
             self._finish(h.tid, TransferState.DONE)
+        elif h.tid in self.fenced or (self.fence() is not None and not self.fence().is_live(tag_key(notify) or "")):
+            self.fenced.discard(h.tid)  # discarded (or nothing at all landed for a dead reservation)
+            return [iter([control(Kind.ACK, h.tid, flags=FLAG_FENCED, count=TransferState.CANCELLED)])]
         elif notify:
             self.notifications.put(notify)
         return [iter([control(Kind.ACK, h.tid, flags=read, count=TransferState.DONE)])]
@@ -180,6 +213,7 @@ class PeerSession:
         if read:
             self._finish(h.tid, TransferState.CANCELLED)
             return []
+        self.fenced.discard(h.tid)
         if notify:
             self.notifications.put(ABORTED_PREFIX + notify)
         return [iter([control(Kind.ACK, h.tid, count=TransferState.CANCELLED)])]
@@ -191,7 +225,8 @@ class PeerSession:
                 self.notifications.put(served.notify)
             return
         state = TransferState.CANCELLED if h.count == TransferState.CANCELLED else TransferState.DONE
-        self._finish(h.tid, state)
+        fenced = state is TransferState.CANCELLED and h.flags & FLAG_FENCED
+        self._finish(h.tid, state, "fenced by the receiver: the reservation is no longer live" if fenced else None)
 
     def _on_read(self, h: Header, body: bytes) -> list[FrameStream]:
         descs = unpack_descs(body, h.count)

@@ -45,6 +45,7 @@ class TcpTransport(FramedTransport):
         self._thread.start()
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._connections: set[_Connection] = set()
         self._closed = False
 
     # -- setup --------------------------------------------------------------------------------
@@ -116,6 +117,8 @@ class TcpTransport(FramedTransport):
         writer.transport.set_write_buffer_limits(high=2 * _SLICE)
         session = self._new_session(peer_id, peer_num_blocks)
         conn = _Connection(session, reader, writer, self._spawn)
+        self._connections.add(conn)
+        conn.on_close = self._connections.discard
         session.send = lambda frames: self._loop.call_soon_threadsafe(self._spawn, conn.send_stream(frames))
         self._spawn(conn.read_loop())
 
@@ -139,6 +142,14 @@ class TcpTransport(FramedTransport):
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5.0)
 
+    def kill_connections(self) -> None:
+        """Fault injection: drop every connection at once, mid-frame if need be (as if this process
+        died); the transport stays usable and ``add_peer`` reconnects."""
+        async def kill() -> None:
+            for conn in list(self._connections):
+                conn.writer.transport.abort()
+        self._call(kill(), 5.0)
+
     async def _shutdown(self) -> None:
         if self._server is not None:
             self._server.close()
@@ -156,6 +167,7 @@ class _Connection:
                  spawn) -> None:
         self.session, self.reader, self.writer, self.spawn = session, reader, writer, spawn
         self.lock = asyncio.Lock()
+        self.on_close = lambda conn: None
 
     async def send_stream(self, frames: FrameStream) -> None:
         try:
@@ -175,9 +187,12 @@ class _Connection:
                 dest = self.session.on_header(h)
                 if dest is not None:
                     out = dest.numpy()
-                    for off in range(0, h.body_len, _SLICE):
-                        data = await self.reader.readexactly(min(_SLICE, h.body_len - off))
-                        out[off:off + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                    try:
+                        for off in range(0, h.body_len, _SLICE):
+                            data = await self.reader.readexactly(min(_SLICE, h.body_len - off))
+                            out[off:off + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                    finally:  # landed, or broken inside the body: either way no more of it comes
+                        self.session.data_done()
                     continue
                 body = await self.reader.readexactly(h.body_len) if h.body_len else b""
                 for stream in self.session.on_frame(h, body):
@@ -192,6 +207,7 @@ class _Connection:
     def _drop(self, reason: str) -> None:
         self.session.on_disconnect(reason)
         self.writer.close()
+        self.on_close(self)
 
 
 async def _send(writer: asyncio.StreamWriter, frame) -> None:

@@ -183,7 +183,10 @@ class _Pair:
                     return
                 dest = self.session.on_header(h)
                 if dest is not None:
-                    self._recv(dest)  # straight into the destination blocks
+                    try:
+                        self._recv(dest)  # straight into the destination blocks (or scratch, if fenced)
+                    finally:
+                        self.session.data_done()
                     continue
                 body = torch.empty(h.body_len, dtype=torch.uint8)
                 if h.body_len:

@@ -21,7 +21,9 @@ BYE        orderly close
 =========  =======================================================================================
 ``FLAG_READ`` marks frames that belong to a read (pull): the data stream of a read response and
 the requester's ACK of it. ``FLAG_STOP`` marks the requester's ABORT asking the source to stop
-serving its read (the source then ends the stream with an ABORT of its own).
+serving its read (the source then ends the stream with an ABORT of its own). ``FLAG_FENCED`` marks
+the receiver's ACK (status CANCELLED) of a write it discarded because the reservation its notify
+tag names is no longer live (``fence``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ DESC = struct.Struct("<iiiii")
 MAX_CONTROL_BODY = 1 << 20
 FLAG_READ = 1
 FLAG_STOP = 2
+FLAG_FENCED = 4
 
 
 class Kind(enum.IntEnum):

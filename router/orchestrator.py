@@ -226,7 +226,8 @@ class Orchestrator:
             yield first_tokens
             return
         yield first_tokens
-        req = worker_pb2.DecodeRequest(request_id=wrid, first_token_id=first.first_token_id)
+        req = worker_pb2.DecodeRequest(request_id=wrid, first_token_id=first.first_token_id,
+                                       kv_checksum=first.kv_checksum)  # --kv-checksum: D compares before decoding
         released = False
         stream = self._decode_stream(d, wrid, legs, d.stub.Decode, req, self.config.leg_timeouts.chunk_s(d.rate))
         async with contextlib.aclosing(stream):
@@ -337,16 +338,22 @@ class Orchestrator:
         has answered an Abort, none of its writes can still land, so the decode worker may then
         reuse the blocks it frees."""
         await asyncio.gather(*pending, return_exceptions=True)
-        await asyncio.gather(*(self._abort(w, rid) for w, rid in legs if w.endpoint.role == "prefill"))
-        await asyncio.gather(*(self._abort(w, rid) for w, rid in legs if w.endpoint.role != "prefill"))
+        answered = await asyncio.gather(*(self._abort(w, rid) for w, rid in legs if w.endpoint.role == "prefill"))
+        # the decode side learns whether every sender answered (NIXL blocks may then be freed at once)
+        await asyncio.gather(*(self._abort(w, rid, senders_quiesced=all(answered))
+                               for w, rid in legs if w.endpoint.role != "prefill"))
 
-    async def _abort(self, w: WorkerHandle, request_id: str) -> None:
+    async def _abort(self, w: WorkerHandle, request_id: str, senders_quiesced: bool = False) -> bool:
+        """Whether the worker answered (a prefill worker then has no write of the request left)."""
         try:
-            await w.stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=self.config.abort_timeout_s)
+            await w.stub.Abort(worker_pb2.AbortRequest(request_id=request_id, senders_quiesced=senders_quiesced),
+                               timeout=self.config.abort_timeout_s)
+            return True
         except grpc.RpcError as e:  # a dead worker frees everything anyway
             log.info("abort of %s on %s failed: %s", request_id, w.id, e.code())
         except Exception as e:  # noqa: BLE001  (grpc's UsageError: the worker left the pool, its channel closed)
             log.info("abort of %s on %s not sent: %s", request_id, w.id, e)
+        return False
 
     async def _release(self, w: WorkerHandle, request_id: str) -> None:
         try:

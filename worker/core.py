@@ -73,6 +73,8 @@ class WorkerConfig:
     speculative: SpeculativeConfig | None = None  # decode and agg engines speculate; in the compat key for all
     internal_secret: str | None = field(default=None, repr=False)  # the worker API needs it (proto/internal_auth.py)
     tls: TlsFiles | None = None    # serve the worker API over TLS (proto/tls.py)
+    kv_checksum: bool = False      # debug: digest each request's KV on both sides, refuse a mismatch (kv_transfer/checksum.py)
+    kv_faults: str = ""            # debug: fault injection on the KV transport (kv_transfer/faults.py FaultSpec.parse)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "agg"):
@@ -169,7 +171,8 @@ class WorkerCore:
             if not finished:
                 self.spawn(self.engine.abort(request_id))
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, senders_quiesced: bool = False) -> bool:
+        """Free everything the request holds. ``senders_quiesced`` matters only to a decode worker."""
         await self.settle(self.engine.abort(request_id))
         return True
 

@@ -78,7 +78,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if not hasattr(self.w, "decode"):
             await _fail(context, _role_error(self.w.config.role, "Decode"))
         try:
-            async for chunk in self.w.decode(request.request_id, request.first_token_id):
+            async for chunk in self.w.decode(request.request_id, request.first_token_id, request.kv_checksum):
                 yield chunk
         except WorkerError as e:
             await _fail(context, e)
@@ -97,7 +97,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.ReleaseResponse()
 
     async def Abort(self, request, context):
-        return worker_pb2.AbortResponse(found=await self.w.abort(request.request_id))
+        return worker_pb2.AbortResponse(found=await self.w.abort(request.request_id, request.senders_quiesced))
 
     async def KvEvents(self, request, context):
         return self.w.kv_event_batch(request.epoch, request.after_seq, request.snapshot)
@@ -183,6 +183,10 @@ def create_kv_transport(config: WorkerConfig, runner):
     from engine.spec_decode.config import compat_descriptor
 
     compat = CompatKey.from_spec(runner.kv_cache.spec, runner.model_config.name, compat_descriptor(config.speculative))
+    if config.kv_faults:  # debug: fault injection (kv_transfer/faults.py)
+        from kv_transfer.faults import FaultSpec, FaultyTransport
+
+        transport = FaultyTransport(transport, FaultSpec.parse(config.kv_faults))
     return transport, transport.register_cache(runner.kv_cache, compat)
 
 

@@ -82,16 +82,20 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingOptions, _Mapping]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("worker_id", "kv_metadata", "block_ids", "num_cached_blocks")
+    __slots__ = ("worker_id", "kv_metadata", "block_ids", "num_cached_blocks", "reservation_epoch", "expires_unix")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_METADATA_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     kv_metadata: bytes
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., kv_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+    reservation_epoch: int
+    expires_unix: float
+    def __init__(self, worker_id: _Optional[str] = ..., kv_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., reservation_epoch: _Optional[int] = ..., expires_unix: _Optional[float] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("destination", "lease_expires_unix")
@@ -116,28 +120,32 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingOptions, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., hold_seconds: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "finish_reason", "usage", "kv_bytes", "transfer_seconds", "first_logprob")
+    __slots__ = ("first_token_id", "finish_reason", "usage", "kv_bytes", "transfer_seconds", "first_logprob", "kv_checksum")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    KV_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     finish_reason: str
     usage: _api_pb2.Usage
     kv_bytes: int
     transfer_seconds: float
     first_logprob: _api_pb2.TokenLogprob
-    def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_api_pb2.Usage, _Mapping]] = ..., kv_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., first_logprob: _Optional[_Union[_api_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+    kv_checksum: str
+    def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[_api_pb2.Usage, _Mapping]] = ..., kv_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., first_logprob: _Optional[_Union[_api_pb2.TokenLogprob, _Mapping]] = ..., kv_checksum: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "first_token_id")
+    __slots__ = ("request_id", "first_token_id", "kv_checksum")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ...) -> None: ...
+    kv_checksum: str
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., kv_checksum: _Optional[str] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "resume_token_ids")
@@ -174,10 +182,12 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "senders_quiesced")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDERS_QUIESCED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    senders_quiesced: bool
+    def __init__(self, request_id: _Optional[str] = ..., senders_quiesced: _Optional[bool] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("found",)
