@@ -66,14 +66,19 @@ def test_cli_prints_one_line_and_exits_2_before_loading(tmp_path):
 
 @pytest.fixture(scope="module")
 def fp8_model_dir(model_path, tmp_path_factory) -> Path:
-    """The bundled model written as an FP8 checkpoint: every decoder linear E4M3 + weight_scale [N, 1]."""
+    """The bundled model written as an FP8 checkpoint: every decoder linear that fp8 quantizes E4M3 +
+    weight_scale [N, 1]; those it keeps in the model dtype (apply.fp8_keeps_dense) stay bf16, as
+    in a checkpoint made for this policy (vLLM's ``ignore`` list)."""
+    from engine.quantization.apply import fp8_keeps_dense
+
     d = tmp_path_factory.mktemp("fp8ckpt")
     for f in model_path.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name != "pdserve_kv_scales.json":
             shutil.copy(f, d / f.name)
     out = {}
     for name, t in load_file(str(model_path / "model.safetensors")).items():
-        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+        if name.startswith("model.layers.") and name.endswith("_proj.weight") and \
+                not fp8_keeps_dense(name.removesuffix(".weight"), 30):
             q, s = quantize_fp8_per_channel(t.bfloat16())
             out[name], out[name.removesuffix("weight") + "weight_scale"] = q, s[:, None]
         else:
