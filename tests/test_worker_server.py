@@ -132,3 +132,26 @@ def test_dead_engine_loop_goes_not_serving_and_exits(monkeypatch):
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
     assert stats == grpc.StatusCode.UNAVAILABLE
     assert not exited_early and len(exits) == 1 and 0.3 <= exits[0] < 0.6, exits
+
+
+def test_secret_file_is_created_private_and_read_back(tmp_path, monkeypatch):
+    """--internal-secret-file: serve creates it (0600) with a new secret, a router reads the same;
+    a router given a missing file or an empty one is a usage error naming the option."""
+    import pytest
+
+    from deploy import router_cmd
+    from engine.errors import UserError
+    from proto.internal_auth import ENV_VAR
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    path = tmp_path / "secret"
+    made = router_cmd.internal_secret(path, create=True)
+    assert router_cmd.internal_secret(path) == made and len(made) >= 40
+    assert path.stat().st_mode & 0o777 == 0o600
+    for bad in (tmp_path / "missing", tmp_path / "empty"):
+        if bad.name == "empty":
+            bad.write_text("\n")
+        with pytest.raises(UserError, match="--internal-secret-file"):
+            router_cmd.internal_secret(bad)
+    monkeypatch.setenv(ENV_VAR, "from-env")
+    assert router_cmd.internal_secret(path) == "from-env"
