@@ -200,7 +200,20 @@ def _load_transformers(runners):
 
 
 def _weight_bytes(runner) -> int:
-    return sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    """Bytes of the weights one decode step reads: the decoder layers' tensors (the linear methods'
+    buffers included: after load they are buffers, not parameters), the final norm and the LM head
+    (its method's tensors; the embedding table only as a tied head), each tensor counted once."""
+    m = runner.model
+    mods = [m.model.layers, m.model.norm]
+    if m.head_method is not None:
+        mods.append(m.head_method)
+    tensors = [t for mod in mods for t in (*mod.parameters(), *mod.buffers())]
+    if m.head_method is None:
+        tensors.append(m.model.embed_tokens.weight if m.lm_head is None else m.lm_head.weight)
+    seen: dict[int, int] = {}
+    for t in tensors:
+        seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
+    return sum(seen.values())
 
 
 def _linear_params(cfg) -> int:

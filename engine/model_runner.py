@@ -26,6 +26,7 @@ from engine.quantization.smoothing import record_input_amax
 from engine.quantization.kv_scales import CALIBRATION_TEXT, KVScales, load_or_calibrate, scales_from_amax
 from engine.models.llama import LlamaForCausalLM
 from kernels.attention import AttentionMetadata, get_attention_backend
+from kernels.layer_ops import get_layer_ops
 
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
 
@@ -42,14 +43,16 @@ class ModelRunner:
         ``"auto"`` picks the in-place CPU kernel on CPU when it builds (logged, with the reason
         when not), the Triton kernel on CUDA; the choice is ``self.attention_backend``.
         quantization: how the decoder's linears run, chosen once here (engine.quantization:
-        "none", "int8", "fp8"). kv_cache_dtype: "auto" (= dtype) or "fp8_e4m3".
+        "none", "int8", "fp8"). kv_cache_dtype: "auto" (= dtype) or "fp8_e4m3". layer_ops: the
+        decoder's small ops (kernels.layer_ops.LAYER_OPS: "auto" = the C++ ones on CPU when they
+        build), the choice is ``self.layer_ops``.
     """
 
     def __init__(self, model_path_or_config: str | os.PathLike[str] | ModelConfig, *, block_size: int = 16,
                  num_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  attention_backend: str = "auto", quantization: str = "none",
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", layer_ops: str = "auto") -> None:
         if isinstance(model_path_or_config, ModelConfig):
             self.model_config = model_path_or_config
         else:
@@ -64,6 +67,8 @@ class ModelRunner:
         self.quantization = check_quantization(quantization)
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         self.model = load_model(self.model_config, dtype, self.device)
+        self.model.layer_ops = get_layer_ops(layer_ops, self.device)
+        self.layer_ops = self.model.layer_ops.name
         # After loading and before the cache: the linears' kernels are timed here, once. INT8 first
         # records each linear's input range (SmoothQuant factors, W8A16 for spiky inputs).
         act_amax = self._calibrate_activations() if quantization == "int8" else None

@@ -125,6 +125,8 @@ def test_model_config_of_bundled_model(runner):
     assert cfg.rope.theta == 100000.0 and cfg.tie_word_embeddings
     spec = runner.kv_cache.spec
     assert runner.kv_cache.data.shape == (30, 2, 128, 16, 3, 64) and spec.num_blocks == 128
+    # The C++ layer ops live in the attention kernel's library: both or neither (then the references).
+    assert runner.layer_ops == ("cpu" if runner.attention_backend == "cpu" else "torch")
 
 
 # -- architecture variants: tiny random checkpoints written by transformers ----------------------

@@ -113,10 +113,11 @@ def test_quantized_model_predicts_like_the_bf16_model(model_path, tokenizer, sha
     base = ModelRunner(model_path, num_blocks=4, dtype=torch.bfloat16).forward(chunk)
     runner = ModelRunner(model_path, num_blocks=4, dtype=torch.bfloat16, quantization=method)
     linears = [m for m in runner.model.model.layers.modules() if isinstance(m, MeasuredLinear)]
-    assert len(linears) == 7 * runner.model_config.num_layers
+    # qkv_proj, o_proj, gate_up_proj, down_proj (Q/K/V and gate/up are fused at load)
+    assert len(linears) == 4 * runner.model_config.num_layers
     if method == "fp8":   # down_proj and the last layer stay in the model dtype (apply.FP8_DENSE_*)
         n = runner.model_config.num_layers
-        assert sum(m.method == "none" for m in linears) == (n - 1) + 7 and \
+        assert sum(m.method == "none" for m in linears) == (n - 1) + 4 and \
             all(m.method in ("fp8", "none") for m in linears)
     else:
         assert all(m.method == method for m in linears)
