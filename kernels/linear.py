@@ -10,7 +10,9 @@ threads), so 30 layers of one shape are measured once.
 
 - ``DenseLinear`` (``--quantization none``): the model dtype. Kernels: ``F.linear``; oneDNN with
   the weight prepacked once (``torch.ops.mkldnn._linear_pointwise``, bf16/fp16); MKL prepacked
-  (``torch.ops.mkl._mkl_linear``, fp32).
+  (``torch.ops.mkl._mkl_linear``, fp32); for bf16 on CPUs with AVX512-BF16, our small-batch kernel
+  (kernels/csrc/small_gemm.cpp, weight packed into 16-column tiles; up to ``SMALL_GEMM_MAX_ROWS``
+  rows, oneDNN beyond), which streams weights that are not in cache faster than oneDNN does.
 - ``Int8Linear`` (``int8``): per-output-channel symmetric int8 weights, ``q = round(W / s)``,
   ``s = amax(|W_row|) / 127``. Kernels: W8A16 ``torch._weight_int8pack_mm`` (activations stay in
   the model dtype); W8A8 with activations quantized dynamically per token (``s_x = amax(|x_row|) /
@@ -164,6 +166,10 @@ class DenseLinear(MeasuredLinear):
                 kernels["onednn_packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
             except (RuntimeError, AttributeError):
                 pass
+        small = _small_gemm_kernel(w)
+        if small is not None and "onednn_packed" in kernels:
+            large = kernels["onednn_packed"]
+            kernels["small_gemm"] = lambda x: small(x) if x.shape[0] <= SMALL_GEMM_MAX_ROWS else large(x)
         if w.dtype == torch.float32 and torch.backends.mkl.is_available():
             try:
                 packed32 = torch.ops.mkl._mkl_reorder_linear_weight(w, 1)
@@ -171,6 +177,40 @@ class DenseLinear(MeasuredLinear):
             except (RuntimeError, AttributeError):
                 pass
         return kernels
+
+
+SMALL_GEMM_MAX_ROWS = 32
+"""Rows up to which the ``small_gemm`` kernel runs its own code (beyond: oneDNN's GEMM)."""
+
+
+def pack_small_gemm(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bf16 (K even) -> [ceil(N/16), K/2, 16, 2]: tiles of 16 output columns, each
+    k pair of a column adjacent (the layout kernels/csrc/small_gemm.cpp reads); zero rows pad N."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // 16) * 16, k, dtype=weight.dtype)
+    padded[:n] = weight
+    return padded.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def _small_gemm_kernel(w: torch.Tensor) -> Kernel | None:
+    """The small-batch bf16 kernel for weight w [N, K], or None where it does not apply (not a
+    bf16 CPU weight, K odd, no AVX512-BF16 build of the kernel library)."""
+    if w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.shape[1] % 2:
+        return None
+    from kernels.cpu_attention import load_extension
+
+    if load_extension()[0] is None or not torch.ops.pdserve_gemm.available():
+        return None
+    packed, n = pack_small_gemm(w), w.shape[0]
+    op = torch.ops.pdserve_gemm.small_gemm_bf16
+
+    def small(x: torch.Tensor) -> torch.Tensor:
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        op(out, x, packed, n)
+        return out
+
+    return small
 
 
 # -- int8 -----------------------------------------------------------------------------------------
