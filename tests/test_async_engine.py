@@ -230,3 +230,26 @@ def test_bad_requests_fail_cleanly(runner, tokenizer):
             await collect(eng, [1, 2, 3], SamplingParams(), "late")
 
     asyncio.run(main())
+
+
+def test_from_config_builds_the_engine_on_the_thread_that_steps_it(monkeypatch):
+    """Every torch op of a worker runs on one thread (a second OpenMP team slows every op down:
+    engine/async_engine.py); a failing build raises to the caller."""
+    import threading
+
+    import engine.async_engine as async_engine
+
+    built = {}
+
+    class Recorder:
+        def __init__(self, cfg, **kwargs) -> None:
+            if kwargs.get("fail"):
+                raise RuntimeError("no weights")
+            built["thread"] = threading.get_ident()
+
+    monkeypatch.setattr(async_engine, "LLMEngine", Recorder)
+    eng = AsyncEngine.from_config(EngineConfig())
+    step_thread = eng._executor.submit(threading.get_ident).result()
+    assert built["thread"] == step_thread != threading.get_ident()
+    with pytest.raises(RuntimeError, match="no weights"):
+        AsyncEngine.from_config(EngineConfig(), fail=True)
