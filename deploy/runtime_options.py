@@ -27,6 +27,9 @@ from engine.errors import UserError
 # Throughput is the same within the noise; a step's time grows with its prefill chunk, so the
 # smallest budget keeps decode rows from stalling behind a prefill (ITL p99).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 128
+# The budget of a step with no decode row in it (engine/config.py): a burst at an idle engine is
+# prefilled in few big steps, which stall nobody's next token. 2048 = vLLM's CPU default budget.
+DEFAULT_IDLE_MAX_NUM_BATCHED_TOKENS = 2048
 # Default KV cache per worker: this much, or less where memory is short (below).
 DEFAULT_KV_CACHE_BYTES = 2 * 2**30
 DEFAULT_KV_MEMORY_FRACTION = 0.2   # of MemAvailable, shared by the workers of this host
@@ -64,6 +67,19 @@ def num_blocks_option():
 def batched_tokens_option(default: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS):
     return typer.Option(default, "--max-num-batched-tokens", rich_help_panel=_PANEL,
                         help="Token budget of one forward: decode tokens + chunked-prefill chunks.")
+
+
+def idle_batched_tokens_option():
+    return typer.Option(DEFAULT_IDLE_MAX_NUM_BATCHED_TOKENS, "--idle-max-num-batched-tokens", rich_help_panel=_PANEL,
+                        help="Token budget of a step with no decode row (prompts arriving at an idle engine); "
+                             "never below --max-num-batched-tokens.")
+
+
+def check_idle_batched_tokens(value: int) -> int:
+    """--idle-max-num-batched-tokens must be >= 1; UserError naming it otherwise."""
+    if value < 1:
+        raise UserError(f"--idle-max-num-batched-tokens {value}: must be >= 1")
+    return value
 
 
 @dataclass(frozen=True)

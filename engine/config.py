@@ -14,6 +14,9 @@ Batching = Literal["continuous", "static"]
 class SchedulerConfig:
     """max_num_seqs: most requests in the running batch.
     max_num_batched_tokens: token budget of one forward (decode tokens + prefill chunks).
+    idle_max_num_batched_tokens: the budget of a step with no decode row in it (a burst arriving at
+        an idle engine): such a step delays nobody's next token, so its prompts are prefilled in
+        bigger chunks, fewer steps. None = max_num_batched_tokens; never below it.
     max_model_len: longest sequence (prompt + output); None = the model's context length.
     batching: "continuous" (iteration-level, Orca/vLLM) or "static" (HF generate style, for comparison).
     max_waiting: most queued requests before add() refuses with RESOURCE_EXHAUSTED; None = unbounded.
@@ -27,6 +30,7 @@ class SchedulerConfig:
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
+    idle_max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     batching: Batching = "continuous"
     enable_chunked_prefill: bool = True
@@ -39,6 +43,8 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}) so every running request can decode each step")
+        if self.idle_max_num_batched_tokens is not None and self.idle_max_num_batched_tokens < 1:
+            raise ValueError(f"idle_max_num_batched_tokens must be >= 1, got {self.idle_max_num_batched_tokens}")
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

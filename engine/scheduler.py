@@ -8,7 +8,8 @@ Request lifecycle (states in engine/request.py, legal moves in ``request.TRANSIT
    ``max_num_seqs``: first one decode token for every RUNNING request, then the next prefill
    chunk of RUNNING requests still in prefill, then admits WAITING/PREEMPTED requests in FCFS
    order (reusing cached prefix blocks; the last admitted may get a partial chunk = chunked
-   prefill). Admission stops at the first request that does not fit (no overtaking).
+   prefill). Admission stops at the first request that does not fit (no overtaking). A step
+   with no decode row stalls no one's next token: its budget is ``idle_max_num_batched_tokens``.
    Speculative decoding: the engine passes draft tokens for some decode rows; after every decode
    row has its token, each such row gets its drafts appended (a verification row of k + 1
    tokens) if the budget and *lookahead* KV slots for them fit without preempting anyone, else
@@ -192,6 +193,8 @@ class Scheduler:
             return self._static.schedule()
         plan = _PlanBuilder(self.config.max_num_batched_tokens)
         self._schedule_running(plan, decoding=True)
+        if not plan.decode_rows and self.config.idle_max_num_batched_tokens:
+            plan.budget = max(plan.budget, self.config.idle_max_num_batched_tokens)
         if drafts:
             self._attach_drafts(plan, drafts)
         self._schedule_running(plan, decoding=False)

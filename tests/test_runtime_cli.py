@@ -36,6 +36,7 @@ BAD = [
     (["--num-blocks", "100000000"], ["--num-blocks 100000000", "do not fit"]),
     (["--num-blocks", "64", "--kv-cache-memory", "1GiB"], ["--kv-cache-memory and --num-blocks", "one of"]),
     (["--max-num-batched-tokens", "4"], ["--max-num-batched-tokens 4", "--max-num-seqs"]),
+    (["--idle-max-num-batched-tokens", "0"], ["--idle-max-num-batched-tokens 0", ">= 1"]),
 ]
 if not platform.has_native_fp16():
     BAD.append((["--dtype", "float16"], ["--dtype float16", "no native fp16", "auto, float32 or bfloat16"]))

@@ -68,6 +68,20 @@ def test_decode_tokens_are_scheduled_before_prefill_chunks():
     assert plan.chunks[1].request_id == "b" and plan.chunks[1].num_tokens == 7
 
 
+def test_a_step_without_decode_rows_takes_the_idle_budget():
+    s = make(idle_max_num_batched_tokens=40)
+    for rid in "abc":
+        s.add(req(rid, 12))
+    plan, _ = step(s)  # a burst at an idle engine: nothing decodes, all three prompts in one step
+    assert [(c.request_id, c.num_tokens, c.num_logits) for c in plan.chunks] == [("a", 12, 1), ("b", 12, 1),
+                                                                                 ("c", 12, 1)]
+    s.add(req("d", 20, base=500))
+    plan, _ = step(s)  # three decode rows to protect: the normal budget of 16
+    assert [(c.request_id, c.num_tokens) for c in plan.chunks] == [("a", 1), ("b", 1), ("c", 1), ("d", 13)]
+    with pytest.raises(ValueError, match="idle_max_num_batched_tokens"):
+        SchedulerConfig(idle_max_num_batched_tokens=0)
+
+
 def test_max_num_seqs_and_fcfs():
     s = make(max_num_seqs=2, max_num_batched_tokens=64)
     for i in range(3):

@@ -54,6 +54,7 @@ class WorkerConfig:
     num_blocks: int | None = 2048
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
+    idle_max_num_batched_tokens: int | None = None  # the budget of a step with no decode row (engine/config.py)
     max_waiting: int | None = None
     kv_cache_memory_bytes: int | None = None
     dtype: str = "float32"

@@ -148,6 +148,9 @@ def load_engine(config: WorkerConfig):
         model=str(model_dir),
         scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                  # a prefill worker never decodes: every step would be "idle"; keep its chunks
+                                  idle_max_num_batched_tokens=None if config.role == "prefill"
+                                  else config.idle_max_num_batched_tokens,
                                   max_waiting=config.max_waiting, max_model_len=config.max_model_len,
                                   batching=config.batching),
         cache=CacheConfig(block_size=config.block_size, num_blocks=config.num_blocks,
