@@ -404,3 +404,55 @@ def test_decode_worker_that_caches_the_prefix_receives_only_the_uncached_blocks(
     assert c3 == (n3 - 1) // bs and b3 == (-(-n3 // bs) - c3) * per_block  # only the last token's block
     assert t3 == t1 and t1
     assert_idle(serving)
+
+
+def test_conditional_disaggregation_decides_on_the_uncached_length(serving):
+    """--local-prefill-threshold 64 against a 300-token prompt: disaggregated while the decode
+    worker lacks it; once D caches its stem, the same stem with a new question (its uncached
+    part a few tokens) is prefilled on D itself, although the prompt is far above the threshold."""
+    from router.app import Router, RouterConfig
+    from router.prefix_index import prompt_block_hashes
+    from router.registry import CallableRegistry
+
+    stem = "Inventory: " + " ".join(f"box {i} holds {i * 5 % 11} pens." for i in range(36))
+
+    async def run() -> list[tuple[int, int]]:
+        router = Router(CallableRegistry(serving.controller.list_workers),
+                        RouterConfig(port=0, http_port=None, mode="disagg", local_prefill_threshold=64,
+                                     internal_secret=serving.controller.internal_secret))
+        ep = await router.start()
+        calls = {"n": 0}
+        orig = router.orchestrator._prefill_with_retry
+
+        async def counting(*args, **kwargs):
+            calls["n"] += 1
+            return await orig(*args, **kwargs)
+
+        router.orchestrator._prefill_with_retry = counting
+        out = []
+        try:
+            async with grpc.aio.insecure_channel(ep.grpc) as ch:
+                stub = api_pb2_grpc.GenerationStub(ch)
+                for question in ("Which box holds 3?", "Which box holds 7?"):
+                    prompt = f"{stem}\n{question}"
+                    ids = router.service.tokenizer.encode(prompt)
+                    before = calls["n"]
+                    req = api_pb2.GenerateRequest(model=MODEL, prompt=prompt, sampling=api_pb2.SamplingOptions(
+                        temperature=0, max_tokens=4, ignore_eos=True))
+                    assert "".join([m.text async for m in stub.Generate(req, timeout=60)])
+                    out.append((len(ids), calls["n"] - before))
+                    # D's KV events reach the router's index with its Stats polls: wait for the stem's blocks
+                    hashes = prompt_block_hashes(router.service.tokenizer.encode(stem), 16)
+                    for _ in range(200):
+                        if any(router.index.overlap_blocks(w.id, hashes) >= len(hashes) - 1
+                               for w in router.pool.workers("decode")):
+                            break
+                        await asyncio.sleep(0.05)
+            return out
+        finally:
+            await router.stop()
+
+    (n1, disagg1), (n2, disagg2) = serving.call(run(), 180)
+    assert n1 > 200 and n2 > 200
+    assert disagg1 == 1 and disagg2 == 0  # the second one's uncached part (< 64 tokens) stayed on D
+    assert_idle(serving)
