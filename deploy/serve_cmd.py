@@ -191,7 +191,11 @@ def command(
     if mode == "disagg" and prefill < 1:
         raise UserError("--prefill must be >= 1 in disagg mode")
     _check_readable(chat_template, "--chat-template")
-    internal_secret = router_cmd.internal_secret(internal_secret_file, create=True)
+    # One secret for the workers and every router of this serve, made here when none was given
+    # (a router without it is refused by every worker: "no live worker").
+    from proto.internal_auth import new_secret
+
+    internal_secret = router_cmd.internal_secret(internal_secret_file, create=True) or new_secret()
     tls = router_cmd.tls_files(tls_cert, tls_key, None, "--tls")
     internal_tls = router_cmd.tls_files(internal_tls_cert, internal_tls_key, internal_tls_ca, "--internal-tls")
     if generation_config not in ("auto", "vllm"):

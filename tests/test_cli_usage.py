@@ -121,6 +121,8 @@ def test_serve_flags_reach_the_worker_and_router_configs(monkeypatch, tmp_path):
     assert (service.served_model_name, service.chat_template, service.request_timeout_s) == (
         "smol", str(template), 5.0)
     assert router.worker_rpc_timeout_s == 1.5
+    # No secret flag or variable: serve makes one, and the routers hold the workers' secret.
+    assert spec.internal_secret and router.internal_secret == spec.internal_secret
 
 
 def test_a_command_that_exits_with_a_status_keeps_it(capsys, monkeypatch):
