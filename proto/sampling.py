@@ -125,6 +125,10 @@ def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int, max_model_len
         raise InvalidRequest("prompt", "must not be empty")
     if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt_token_ids):
         raise InvalidRequest("prompt", f"token ids must be in [0, {vocab_size})")
+    # The router checks without the model's vocabulary: a negative id must still stop there, before
+    # the KV-aware routing hashes the prompt's blocks (uint32 packing) or any worker sees it.
+    if any(t < 0 for t in prompt_token_ids):
+        raise InvalidRequest("prompt", "token ids must be >= 0")
     if len(prompt_token_ids) + max_tokens > max_model_len:
         raise InvalidRequest("max_tokens", f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({max_tokens}) "
                                            f"exceeds the context length {max_model_len}; shorten the prompt "

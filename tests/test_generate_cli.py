@@ -100,6 +100,9 @@ def test_not_a_model_path(tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
+    from safetensors.torch import save_file
+    import torch
+
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
-    (tmp_path / "model.safetensors").write_bytes(b"")
+    save_file({"wte.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
     assert_user_error(pdserve("--model", str(tmp_path), "hi"), "unsupported architecture", "LlamaForCausalLM")

@@ -9,6 +9,8 @@ import sys
 import textwrap
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from engine.errors import UserError
 from engine.model_config import ModelConfig
@@ -43,9 +45,16 @@ def test_non_gguf_file_is_rejected(tmp_path):
 def test_unsupported_architecture_is_rejected(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 2}))
-    (tmp_path / "model.safetensors").write_bytes(b"")
+    save_file({"wte.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(UserError, match="unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):
         ModelConfig.from_pretrained(resolve_model(str(tmp_path)))
+
+
+def test_unreadable_safetensors_is_a_user_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(UserError, match="model.safetensors is not a readable safetensors file"):
+        resolve_model(str(tmp_path))
 
 
 _RACER = textwrap.dedent("""

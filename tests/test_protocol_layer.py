@@ -69,6 +69,8 @@ def test_wire_round_trip_keeps_every_field():
 def test_prompt_rules():
     with pytest.raises(InvalidRequest, match="^prompt"):
         check_prompt([], 4, 100)
+    with pytest.raises(InvalidRequest, match=r"^prompt: token ids must be >= 0"):
+        check_prompt([0, -1, 0], 1, 100)  # no vocabulary known (the router): negative ids still refused
     with pytest.raises(InvalidRequest, match=r"^prompt: token ids must be in \[0, 10\)"):
         check_prompt([3, 10], 4, 100, vocab_size=10)
     with pytest.raises(InvalidRequest, match="^max_tokens.*context length 100"):

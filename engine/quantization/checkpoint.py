@@ -75,12 +75,18 @@ def read_headers(files: Iterable[Path]) -> dict[str, tuple[torch.dtype, list[int
     """(dtype, shape) of every tensor in the safetensors ``files``, from their headers only."""
     from safetensors import safe_open
 
+    from safetensors import SafetensorError
+
     out = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                sl = st.get_slice(name)
-                out[name] = (_DTYPES.get(sl.get_dtype(), torch.uint8), list(sl.get_shape()))
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    sl = st.get_slice(name)
+                    out[name] = (_DTYPES.get(sl.get_dtype(), torch.uint8), list(sl.get_shape()))
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"model directory {str(f.parent)!r}: {f.name} is not a readable safetensors "
+                            f"file ({e})") from None
     return out
 
 
