@@ -384,19 +384,37 @@ def _with_recomputed(usage: api_pb2.Usage | None, recomputed: int) -> api_pb2.Us
 
 async def _read(call, w: WorkerHandle, leg: str, deadline: float, leg_timeout: float):
     """The stream's next message (or grpc.aio.EOF) within the leg timeout and the deadline."""
-    left = _remaining(deadline)
+    read = asyncio.ensure_future(call.read())
     try:
-        return await asyncio.wait_for(call.read(), min(leg_timeout, left))
-    except TimeoutError:
-        if left <= leg_timeout:
-            raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
-        w.alive = False  # suspect until its Stats answer again (router/pool.py)
-        raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                           f"{leg} worker {w.id} sent nothing for {leg_timeout:.1f} s (leg timeout)") from None
+        while True:
+            waited_from, left = time.monotonic(), _remaining(deadline)
+            done, _ = await asyncio.wait({read}, timeout=min(leg_timeout, left))
+            if done:
+                return read.result()
+            if left <= leg_timeout:
+                raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+            if _queueing(w, waited_from):
+                continue  # a worker that answers its polls with requests waiting is busy, not lost
+            w.alive = False  # suspect until its Stats answer again (router/pool.py)
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"{leg} worker {w.id} sent nothing for {leg_timeout:.1f} s (leg timeout)")
     except grpc.RpcError as e:
         if e.code() == grpc.StatusCode.UNAVAILABLE:
             w.alive = False
         raise ServiceError.from_rpc(e, leg) from None
+    finally:
+        if not read.done():
+            read.cancel()
+
+
+def _queueing(w: WorkerHandle, since: float) -> bool:
+    """The worker answered a Stats poll during the wait and has other requests than ours running
+    or waiting: ours is queued behind them (static batching, a long prefill of a burst, a full
+    batch), which a leg timeout derived from its chunk gap does not foresee. A stopped worker
+    misses its polls and a dead engine loop makes Stats fail (worker/server.py): both still count
+    as lost. Cost: an engine wedged inside one step while its gRPC server answers is waited for
+    up to the request's deadline, not migrated."""
+    return w.alive and w.polled_at > since and w.stats.running + w.stats.waiting > 1
 
 
 async def _unary(w: WorkerHandle, leg: str, method, request, deadline: float, leg_timeout: float):

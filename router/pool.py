@@ -59,6 +59,7 @@ class WorkerHandle:
     inflight_at_poll: int = 0
     rate: WorkRate = field(default_factory=WorkRate)  # measured speed, for the leg timeouts
     missed_polls: int = 0  # consecutive Stats polls that failed or missed their deadline
+    polled_at: float = 0.0  # time.monotonic() of the last Stats that answered
 
     @property
     def id(self) -> str:
@@ -186,6 +187,7 @@ class WorkerPool:
             w.alive = False
             return
         w.booked_at_poll, w.inflight_at_poll = w.booked_decode_blocks, w.inflight
+        w.polled_at = time.monotonic()
         if not w.alive or w.missed_polls:
             log.info("worker %s answers again after %d missed polls: live", w.id, w.missed_polls)
         w.alive, w.missed_polls = True, 0
