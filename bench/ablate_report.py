@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 TABLE_COLUMNS = (("config", "name", None), ("conc", "concurrency", 0), ("out tok/s", "output_throughput", 1),
-                 ("goodput", "request_goodput", 2), ("TTFT p50", "median_ttft_ms", 0), ("TTFT p99", "p99_ttft_ms", 0),
+                 ("goodput", "request_goodput", 2), ("failed", "failed", 0), ("TTFT p50", "median_ttft_ms", 0), ("TTFT p99", "p99_ttft_ms", 0),
                  ("TPOT p50", "median_tpot_ms", 1), ("TPOT p99", "p99_tpot_ms", 1), ("ITL p50", "median_itl_ms", 1),
                  ("ITL p99", "p99_itl_ms", 1), ("KV peak %", "kv_cache_usage_peak", 2), ("preempt", "num_preemptions", 0),
                  ("ppl", "perplexity", 3), ("ppl Δ%", "perplexity_delta", 2), ("greedy", "greedy_agreement", 2),
@@ -242,6 +242,10 @@ def _findings(doc) -> list[str]:
     else:
         out.append("- No technique's isolated gain differs from its leave-one-out gain beyond the threshold "
                    "(or none had both measured).")
+    for r in ordered_rows(doc):
+        if not r.get("error") and r.get("failed"):
+            out.append(f"- **{r['name']}** at concurrency {r['concurrency']}: {r['failed']} of "
+                       f"{r.get('num_requests', '?')} requests failed; its figures count the completed ones only.")
     for name, q in a["quality"].items():
         if q["quality_ok"] is False:
             out.append(f"- **{name}** fails its quality gate: {'; '.join(q['quality_failures'])}.")
