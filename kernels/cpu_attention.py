@@ -41,11 +41,14 @@ from kernels import torch_ref
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
-# One library, three operator namespaces: pdserve_attn (the attention kernel), pdserve_ops (the
-# decoder's small fused ops, kernels/layer_ops.py) and pdserve_gemm (the small-batch bf16 linear,
-# kernels/linear.py).
-SOURCES = (SOURCE, SOURCE.parent / "layer_ops.cpp", SOURCE.parent / "small_gemm.cpp")
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCE = CSRC / "paged_attention.cpp"
+# One library, every source of kernels/csrc in it, each with its own operator namespace:
+# pdserve_attn (the attention kernel), pdserve_ops (the decoder's small fused ops,
+# kernels/layer_ops.py), pdserve_gemm (the small-batch bf16 linear, kernels/linear.py), ...
+# A new *.cpp there is built without being named here; its headers (*.h) are in the build key.
+SOURCES = tuple(sorted(CSRC.glob("*.cpp")))
+HEADERS = tuple(sorted(CSRC.glob("*.h")))
 EXTENSION = "pdserve_paged_attention"
 
 _lock = threading.Lock()
@@ -60,7 +63,13 @@ def _flags() -> list[str]:
 
 
 def _stamp() -> str:
-    return hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(_flags()).encode()).hexdigest()
+    """The build key: every source and header (name and bytes) and the flags. A header edit must
+    change it too, or a checkout would load the build of an older header."""
+    digest = hashlib.sha256(" ".join(_flags()).encode())
+    for path in SOURCES + HEADERS:
+        digest.update(f"\0{path.name}\0{path.stat().st_size}\0".encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def cache_dir() -> Path:

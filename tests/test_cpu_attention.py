@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 
 import pytest
 import torch
@@ -144,3 +145,16 @@ def test_build_without_a_compiler_returns_the_reason(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "no-such-compiler-pdserve")
     module, reason = cpu_attention._build()
     assert module is None and "no-such-compiler-pdserve" in reason
+
+
+def test_the_build_key_covers_every_source_and_header(monkeypatch, tmp_path):
+    included = {name for src in cpu_attention.SOURCES
+                for name in re.findall(r'#include "([^"]+)"', src.read_text())}
+    assert included and included <= {h.name for h in cpu_attention.HEADERS}
+    assert {s.name for s in cpu_attention.SOURCES} >= {"paged_attention.cpp", "layer_ops.cpp"}
+    header = tmp_path / "simd_math.h"
+    header.write_text(cpu_attention.HEADERS[0].read_text())
+    monkeypatch.setattr(cpu_attention, "HEADERS", (header,))
+    before = cpu_attention._stamp()
+    header.write_text(header.read_text() + "// an edit\n")
+    assert cpu_attention._stamp() != before   # a header edit is a new build, never a stale one

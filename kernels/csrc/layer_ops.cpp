@@ -33,6 +33,8 @@
 #include <immintrin.h>
 #endif
 
+#include "simd_math.h"
+
 namespace {
 
 constexpr int64_t kGrainElements = 32768;
@@ -44,10 +46,8 @@ inline T from_f32(float x) { return static_cast<T>(x); }   // c10 types round to
 
 #if defined(__AVX512F__)
 inline __m512 ld(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 ld(const at::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-inline __m512 ld(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 ld(const at::BFloat16* p) { return pdserve_simd::load16(p); }
+inline __m512 ld(const at::Half* p) { return pdserve_simd::load16(p); }
 inline void st(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void st(at::BFloat16* p, __m512 v) {
 #if defined(__AVX512BF16__)
@@ -76,22 +76,7 @@ inline __m512 round_to(__m512 v) {
   }
 }
 
-// exp(x) for x <= 0: 2^n * P(r), r = x - n ln2, degree-6 Taylor polynomial (rel. error ~2e-7).
-inline __m512 exp_neg(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
+using pdserve_simd::exp_neg;
 #endif
 
 template <typename T>

@@ -34,38 +34,16 @@
 #include <immintrin.h>
 #endif
 
+#include "simd_math.h"
+
 namespace {
 
 template <typename T>
 inline float to_f32(T x) { return static_cast<float>(x); }
 
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// exp(x) for x <= 0 (scores minus their running max): 2^n * P(r), r = x - n ln2, |r| <= ln2/2,
-// P the degree-6 Taylor polynomial (relative error ~2e-7); x below -87 gives ~0.
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
+using pdserve_simd::load16;
+using pdserve_simd::exp_neg;
 #endif
 
 // s[0..n) = exp(s - m); returns their sum.
@@ -76,7 +54,7 @@ inline float exp_sum(float* s, int n, float m) {
   __m512 vm = _mm512_set1_ps(m), vs = _mm512_setzero_ps();
   for (; t < n; t += 16) {
     __mmask16 mask = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
-    __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), vm));
+    __m512 e = exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), vm));
     _mm512_mask_storeu_ps(s + t, mask, e);
     vs = _mm512_mask_add_ps(vs, mask, vs, e);
   }
@@ -272,7 +250,7 @@ inline void softmax_block(float* s, int n, float m_old, float& m_new, float& sum
     const __mmask16 mask = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
     const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), mask, s);
     m_new = std::max(m_old, _mm512_reduce_max_ps(sv));
-    const __m512 e = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
+    const __m512 e = _mm512_maskz_mov_ps(mask, exp_neg(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
     _mm512_mask_storeu_ps(s, mask, e);
     sum = _mm512_reduce_add_ps(e);
     return;

@@ -1,0 +1,44 @@
+// AVX-512 helpers shared by the CPU kernels (paged_attention.cpp, layer_ops.cpp): fp32 loads of
+// 16 cache/activation elements and exp for non-positive arguments. One copy, so a fix or a
+// change of precision reaches every kernel; the build key (kernels/cpu_attention.py) hashes this
+// header with the sources.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace pdserve_simd {
+
+// 16 consecutive elements as fp32 (bf16: the 16 bits shifted into the high half, exact; fp16: F16C).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// exp(x) for x <= 0 (softmax scores minus their running max, -|x| of a sigmoid):
+// 2^n * P(r), n = round(x / ln2), r = x - n ln2 (ln2 split in two parts, Cody-Waite),
+// |r| <= ln2/2, P the degree-6 Taylor polynomial (relative error ~2e-7); x below -87 gives ~0.
+inline __m512 exp_neg(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace pdserve_simd
+#endif
