@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 from dataclasses import dataclass, field, replace
 
@@ -81,6 +82,12 @@ class ClusterSpec:
 
     def role_resources(self, role: str) -> dict[str, float]:
         return dict(self.prefill_resources if role == "prefill" else self.decode_resources)
+
+    def ray_num_cpus(self, max_workers: int = 0) -> int:
+        """Logical CPUs an embedded Ray needs so every worker (up to max_workers when scaling)
+        can be placed at num_cpus_per_worker each; at least 2."""
+        n = max(len(self.worker_configs()), max_workers)
+        return max(2, math.ceil(n * self.num_cpus_per_worker))
 
     def worker_configs(self) -> list[WorkerConfig]:
         roles = [("agg", self.num_decode)] if self.mode == "agg" else [("prefill", self.num_prefill),

@@ -44,7 +44,10 @@ class LocalServing:
         return fut.result(timeout_s)
 
     def start(self) -> None:
-        init_ray()
+        # An embedded Ray counts the host's cores (2 here), and each worker actor asks for
+        # num_cpus_per_worker of them: a third worker would wait for a CPU forever. Ray's CPUs
+        # are scheduling tokens; the workers' threads are placed by their own affinity.
+        init_ray(num_cpus=self.spec.ray_num_cpus())
         self._thread.start()
         self.call(self._start(), self._timeout)
 

@@ -321,8 +321,7 @@ async def _serve(spec, router_config, ray_address: str | None, n_routers: int = 
     from router.registry import CallableRegistry
 
     scaling = scaling or ScalingOptions(None, None, None, 0)
-    n_workers = len(spec.worker_configs())
-    init_ray(ray_address, num_cpus=None if ray_address else max(n_workers, scaling.max_workers, 2))
+    init_ray(ray_address, num_cpus=None if ray_address else spec.ray_num_cpus(scaling.max_workers))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -331,7 +330,7 @@ async def _serve(spec, router_config, ray_address: str | None, n_routers: int = 
     routers: list[Router] = []
     autoscaler = admin = None
     try:
-        print(f"pdserve: starting {n_workers} workers ({spec.mode}, kv transport {spec.kv_transport})...", flush=True)
+        print(f"pdserve: starting {len(spec.worker_configs())} workers ({spec.mode}, kv transport {spec.kv_transport})...", flush=True)
         await _until_stopped(controller.start(), stop)
         lines = [f"pdserve: serving {spec.model}" + (f" as {spec.served_model_name}" if spec.served_model_name
                                                       else "")

@@ -43,3 +43,14 @@ def test_goals_from_a_synthetic_run():
 def test_bad_soak_flags_are_a_usage_error(kw):
     with pytest.raises(UserError):
         SoakConfig(**kw)
+
+
+def test_embedded_ray_has_a_cpu_for_every_worker():
+    """The soak's 1P+2D cluster on a 2-core host: an embedded Ray sized by the host alone (2 CPUs)
+    never placed the third worker, and the soak timed out starting its cluster."""
+    from deploy.cluster import ClusterSpec
+
+    assert ClusterSpec(mode="disagg", num_prefill=1, num_decode=2).ray_num_cpus() == 3
+    assert ClusterSpec(mode="agg", num_decode=1).ray_num_cpus() == 2
+    assert ClusterSpec(mode="disagg", num_prefill=1, num_decode=1).ray_num_cpus(max_workers=5) == 5
+    assert ClusterSpec(mode="agg", num_decode=3, num_cpus_per_worker=0.5).ray_num_cpus() == 2
