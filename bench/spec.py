@@ -33,23 +33,32 @@ from pathlib import Path
 
 import typer
 
+# pdserve serve's step budgets (deploy/runtime_options.py; bench/ may not import deploy/, which imports it)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 128
+DEFAULT_IDLE_MAX_NUM_BATCHED_TOKENS = 2048
+
 
 def command(
     json_out: Path = typer.Option(Path("out/bench_spec.json"), "--json", help="Where to write the results."),
     model: str = typer.Option("smollm2-135m-instruct", "--model", "-m"),
     datasets: str = typer.Option("sharegpt,grounded", help="Comma-separated: sharegpt, grounded."),
-    concurrency: str = typer.Option("1,16", help="Comma-separated closed-loop concurrencies."),
+    concurrency: str = typer.Option("1,4,16,32", help="Comma-separated closed-loop concurrencies."),
     num_prompts: int = typer.Option(16, help="Requests per cell (at least the concurrency)."),
     max_tokens: int = typer.Option(64, help="Most output tokens per request (greedy, EOS honoured)."),
     input_len: int = typer.Option(256, help="grounded: tokens of ShareGPT text per prompt."),
     num_speculative_tokens: int = typer.Option(4, help="k_max of the speculative run."),
+    spec_ngram_max: int = typer.Option(4, "--spec-ngram-max", help="ngram: longest n-gram matched."),
+    spec_ngram_min: int = typer.Option(2, "--spec-ngram-min", help="ngram: shortest n-gram matched."),
+    max_num_batched_tokens: int = typer.Option(DEFAULT_MAX_NUM_BATCHED_TOKENS, "--max-num-batched-tokens",
+                                               help="Token budget of one step (pdserve serve's default)."),
     adaptive: bool = typer.Option(True, "--adaptive/--no-adaptive", help="Load-adaptive k (else always k_max)."),
     threads: int = typer.Option(1, help="torch threads."),
     speculative_method: str = typer.Option("ngram", "--speculative-method", help="ngram or draft."),
     speculative_model: str = typer.Option(None, "--speculative-model", help="draft: the draft model (name or path)."),
     speculative_quantization: str = typer.Option("none", "--speculative-quantization",
                                                  help="draft: its linear method (none, int8, fp8)."),
-    dtype: str = typer.Option("float32", "--dtype", help="Target (and draft) dtype: float32 or bfloat16."),
+    dtype: str = typer.Option("auto", "--dtype", help="Target (and draft) dtype: auto (as pdserve serve: bf16 "
+                                                      "with native bf16), float32 or bfloat16."),
 ) -> None:
     """Speculation off vs on: TPOT p50, output tok/s, acceptance rate, mean accepted length."""
     import torch
@@ -60,17 +69,22 @@ def command(
     from engine.spec_decode.config import SpeculativeConfig
 
     from engine.errors import UserError
+    from engine.platform import resolve_dtype_name
     from engine.spec_decode.config import from_flags
 
-    if dtype not in ("float32", "bfloat16"):
-        raise UserError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
-    flags = from_flags(speculative_method, num_speculative_tokens, speculative_model, 4, 2, speculative_quantization)
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise UserError(f"--dtype must be auto, float32 or bfloat16, got {dtype!r}")
+    if max_num_batched_tokens < 1:
+        raise UserError(f"--max-num-batched-tokens must be >= 1, got {max_num_batched_tokens}")
+    dtype = resolve_dtype_name(dtype)
+    flags = from_flags(speculative_method, num_speculative_tokens, speculative_model, spec_ngram_max, spec_ngram_min,
+                       speculative_quantization)
     torch.set_num_threads(threads)
     tdtype = getattr(torch, dtype)
     runner, runner_spec = (ModelRunner(model, block_size=16, num_blocks=1024, dtype=tdtype) for _ in range(2))
     tok = load_tokenizer(runner.model_config.path)
-    spec = SpeculativeConfig(flags.method, num_speculative_tokens, model=flags.model, quantization=flags.quantization,
-                             adaptive=adaptive)
+    spec = SpeculativeConfig(flags.method, num_speculative_tokens, spec_ngram_max, spec_ngram_min, model=flags.model,
+                             quantization=flags.quantization, adaptive=adaptive)
     draft = None if spec.method != "draft" else ModelRunner(spec.model, block_size=16, num_blocks=1024, dtype=tdtype,
                                                             quantization=spec.quantization)
     step_cost = None
@@ -79,15 +93,16 @@ def command(
         step_cost = {"target_ms": target_ms, "draft_ms": draft_ms, "draft_target_ratio": draft_ms / target_ms}
         print(f"decode step alone (batch 1, 256-token context): target {target_ms:.2f} ms, draft "
               f"({spec.model}, {spec.quantization}) {draft_ms:.2f} ms, ratio {draft_ms / target_ms:.2f}", flush=True)
+    budget = max_num_batched_tokens
     cells = []
     for name in [d.strip() for d in datasets.split(",") if d.strip()]:
         for conc in [int(c) for c in concurrency.split(",") if c.strip()]:
             n = max(num_prompts, conc)
             reqs = load_requests(DatasetConfig(name, num_prompts=n, max_tokens=max_tokens, input_len=input_len), tok)
             prompts = [_chat(tok, r.prompt) for r in reqs]
-            _Loop(runner, tok, prompts[:1], 1, max_tokens, None).run_alone()  # warm-up: first shapes
-            off = _Loop(runner, tok, prompts, conc, max_tokens, None)
-            on = _Loop(runner_spec, tok, prompts, conc, max_tokens, spec, draft)
+            _Loop(runner, tok, prompts[:1], 1, max_tokens, None, budget).run_alone()  # warm-up: first shapes
+            off = _Loop(runner, tok, prompts, conc, max_tokens, None, budget)
+            on = _Loop(runner_spec, tok, prompts, conc, max_tokens, spec, budget, draft)
             while not (off.done and on.done):
                 off.step()
                 on.step()
@@ -99,6 +114,7 @@ def command(
             _print_row(cells[-1])
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps({"model": runner.model_config.name, "threads": threads, "max_tokens": max_tokens,
+                                    "max_num_batched_tokens": budget, "ngram": [spec.ngram_min, spec.ngram_max],
                                     "num_speculative_tokens": num_speculative_tokens, "adaptive": adaptive,
                                     "dtype": dtype, "speculative_method": spec.method, "speculative_model": spec.model,
                                     "speculative_quantization": spec.quantization, "step_cost": step_cost,
@@ -114,13 +130,15 @@ def _chat(tok, text: str) -> list[int]:
 class _Loop:
     """One engine in a closed loop at ``conc`` requests in flight, timed on its own step clock."""
 
-    def __init__(self, runner, tok, prompts: list[list[int]], conc: int, max_tokens: int, spec,
+    def __init__(self, runner, tok, prompts: list[list[int]], conc: int, max_tokens: int, spec, budget: int,
                  draft_runner=None) -> None:
         from engine.config import CacheConfig, EngineConfig, SchedulerConfig
         from engine.llm_engine import LLMEngine
         from proto.sampling import SamplingParams
 
-        self.eng = LLMEngine(EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max(conc, 1)),
+        sched = SchedulerConfig(max_num_seqs=max(conc, 1), max_num_batched_tokens=budget,
+                                idle_max_num_batched_tokens=max(budget, DEFAULT_IDLE_MAX_NUM_BATCHED_TOKENS))
+        self.eng = LLMEngine(EngineConfig(scheduler=sched,
                                           cache=CacheConfig(), speculative=spec),
                              runner=runner, tokenizer=tok, draft_runner=draft_runner)
         self.params = SamplingParams(temperature=0, max_tokens=max_tokens)

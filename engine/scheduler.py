@@ -11,10 +11,11 @@ Request lifecycle (states in engine/request.py, legal moves in ``request.TRANSIT
    prefill). Admission stops at the first request that does not fit (no overtaking). A step
    with no decode row stalls no one's next token: its budget is ``idle_max_num_batched_tokens``.
    Speculative decoding: the engine passes draft tokens for some decode rows; after every decode
-   row has its token, each such row gets its drafts appended (a verification row of k + 1
-   tokens) if the budget and *lookahead* KV slots for them fit without preempting anyone, else
-   it stays a plain decode row. The lookahead blocks are allocated now, so the verification
-   forward never fails to allocate.
+   row, prefill chunk and admission is planned, each such row gets its drafts appended (a
+   verification row of k + 1 tokens) if the budget they left and *lookahead* KV slots fit
+   without preempting anyone, else it stays a plain decode row (drafts never displace prefill
+   work: under a full budget they would only add rejected tokens). The lookahead blocks are
+   allocated now, so the verification forward never fails to allocate.
 3. When a running request needs a block and none is free, the newest running request not yet in
    this step's plan is preempted by recompute: RUNNING -> PREEMPTED, its blocks freed, its
    prompt + generated tokens requeued at the head of the queue (if none, the request itself).
@@ -195,10 +196,10 @@ class Scheduler:
         self._schedule_running(plan, decoding=True)
         if not plan.decode_rows and self.config.idle_max_num_batched_tokens:
             plan.budget = max(plan.budget, self.config.idle_max_num_batched_tokens)
-        if drafts:
-            self._attach_drafts(plan, drafts)
         self._schedule_running(plan, decoding=False)
         self._schedule_waiting(plan)
+        if drafts:  # last: drafts are speculative work, prefill chunks are certain work
+            self._attach_drafts(plan, drafts)
         return plan.build()
 
     def _schedule_running(self, plan: _PlanBuilder, *, decoding: bool) -> None:

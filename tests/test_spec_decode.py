@@ -75,10 +75,22 @@ def test_choose_k_speculates_at_low_load_and_not_at_high_load():
 def test_choose_k_hysteresis_keeps_the_previous_choice_near_the_break_even():
     # 20 decode rows, alpha 0.5: one draft gains 0.5 / 20 = 2.5%; t(21) / t(20) - 1 = 2.5% too
     m = StepTimeModel(prior_a=0.020, prior_b=0.001)
-    cands = lambda prev: [Candidate("x", 1, 0.5, prev)] + [Candidate(f"o{i}", 0, 0.5) for i in range(19)]  # noqa: E731
+    cands = lambda prev, a=0.5: [Candidate("x", 1, a, prev)] + [Candidate(f"o{i}", 0, a) for i in range(19)]  # noqa: E731
     assert m.predict(21) / m.predict(20) - 1 == pytest.approx(0.5 / 20)
     assert choose_k(cands(1), 20, 20, m)["x"] == 1  # kept
     assert choose_k(cands(0), 20, 20, m)["x"] == 0  # not started
+    # the margin is on the draft's own gain, not on the batch's throughput: a draft that had been
+    # running is dropped once it gains clearly less than it costs (here 0.35 of a 0.5-token cost)
+    assert choose_k(cands(1, 0.35), 20, 20, m)["x"] == 0
+
+
+def test_a_speculating_batch_drops_its_drafts_when_load_rises():
+    """32 rows that all verified 4 drafts last step (alpha 0.5) at a cost where even the first
+    draft loses: every k falls to 0 (the old whole-batch margin kept all 128 drafts)."""
+    m = StepTimeModel(prior_a=0.014, prior_b=0.0012)  # bf16, one thread, measured 2026-12-01
+    many = [Candidate(f"r{i}", 4, 0.5, previous_k=4) for i in range(32)]
+    assert set(choose_k(many, 32, 32, m).values()) == {0}
+    assert choose_k([Candidate("a", 4, 0.8, 4)], 1, 1, m) == {"a": 4}  # alone, drafts pay
 
 
 def test_acceptance_rate_counts_the_first_rejection_only():
@@ -266,6 +278,19 @@ def test_drafts_do_not_preempt_and_respect_the_budget():
     assert [c.num_tokens for c in plan.chunks] == [4, 2]  # 2 decode rows first, then 4 draft tokens
 
 
+def test_drafts_get_only_the_budget_prefill_leaves():
+    s = make(max_num_batched_tokens=8, max_num_seqs=2)
+    decoding(s, "a", n=4)
+    s.add(Request("w", list(range(300, 320)), SamplingParams(temperature=0, max_tokens=4)))
+    plan = s.schedule({"a": (1, 2, 3)})
+    assert [(c.request_id, c.num_tokens, c.draft_token_ids) for c in plan.chunks] == [("a", 1, ()), ("w", 7, ())]
+    s = make(max_num_batched_tokens=8, max_num_seqs=2)
+    decoding(s, "a", n=4)
+    s.add(Request("w", list(range(300, 305)), SamplingParams(temperature=0, max_tokens=4)))
+    plan = s.schedule({"a": (1, 2, 3)})  # the 5-token prompt leaves 2 tokens: 2 drafts
+    assert [(c.request_id, c.num_tokens) for c in plan.chunks] == [("a", 3), ("w", 5)]
+
+
 @pytest.mark.parametrize("stop, emitted, expect_out, reason", [
     ({}, (8, EOS, 9), [7, 8, EOS], RequestState.FINISHED_STOPPED),
     ({"stop_token_ids": (8,)}, (8, 9, 10), [7, 8], RequestState.FINISHED_STOPPED),
@@ -350,3 +375,12 @@ def test_rows_whose_first_draft_cannot_pay_are_not_even_proposed():
     assert spec.drafts(s.running) == {} and spec.proposer.num_tracked == 0
     spec.time_model = StepTimeModel(prior_a=0.02, prior_b=0.0001)  # drafts nearly free
     assert spec.drafts(s.running)["a"][:2] == (8, 9)
+
+
+def test_bench_spec_budgets_are_pdserve_serves():
+    """bench/spec.py copies serve's step budgets (bench/ may not import deploy/): keep them equal."""
+    import bench.spec
+    from deploy import runtime_options
+
+    assert bench.spec.DEFAULT_MAX_NUM_BATCHED_TOKENS == runtime_options.DEFAULT_MAX_NUM_BATCHED_TOKENS
+    assert bench.spec.DEFAULT_IDLE_MAX_NUM_BATCHED_TOKENS == runtime_options.DEFAULT_IDLE_MAX_NUM_BATCHED_TOKENS

@@ -3,22 +3,36 @@ that maximises the batch's expected output tokens per second. Pure Python.
 
 Model (Leviathan et al. 2023, section 3.1, with i.i.d. acceptance): a request whose drafts are
 accepted with probability alpha each emits E(k) = 1 + alpha + ... + alpha^k tokens when k drafts
-are verified, so the k-th draft adds alpha^k. A forward of B batched tokens takes t(B) seconds
-(StepTimeModel, a line fitted online to the engine's measured steps). The batch emits S tokens
-in t(B): greedily add the draft with the largest marginal alpha^(k+1) while
-(S + alpha^(k+1)) / t(B + 1) beats S / t(B). Marginals fall with k, so the greedy choice is the
-optimum of this model. At low load t barely grows with B and drafts are nearly free; once the
-batch saturates the machine each extra token costs ~b seconds and k falls to 0, which is
-exactly the plain decode step (never slower, up to the model's error).
+are verified, so the k-th draft adds alpha^k. A forward of B batched tokens takes t(B) = a + b B
+seconds (StepTimeModel, a line fitted online to the engine's measured steps). The batch's S
+decode rows emit S tokens in t(B); one more draft with marginal gain g pays iff
+(S + g) / t(B + 1) > S / t(B), i.e. g > S (t(B + 1) / t(B) - 1) =: the draft's cost in tokens.
+Greedily adding the draft with the largest marginal alpha^(k+1) while it pays is the optimum of
+this model (marginals fall with k). At low load t barely grows with B and drafts are nearly
+free; once the batch saturates the machine each extra token costs ~b seconds and k falls to 0,
+which is exactly the plain decode step (never slower, up to the model's error).
 
-Hysteresis: an increment a request already had last step needs only (1 - h) of the gain to be
-kept, a new one (1 + h), so k does not flip every step on measurement noise.
+B counts the step's decode rows and drafts only, not its prefill tokens: over a closed loop the
+prefill work is the same with or without speculation, and what speculation saves is steps (a
+each per row emitted); with the c decode rows alone, k = 1 pays iff alpha > b c / (a + b c),
+which is exactly when T = steps x a + b x tokens falls. Counting prefill tokens in t(B) would
+make drafts look cheaper than they are (the scheduler also gives drafts only the budget the
+prefill chunks leave, engine/scheduler.py, so they never displace prefill work).
+
+Hysteresis on the margin: an increment a request already had last step is kept while its gain
+is at least (1 - h) of its cost, a new one needs (1 + h), so k does not flip every step on
+measurement noise; a kept draft can lose at most h of one token's cost, never a share of the
+whole batch's throughput.
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+
+
+HYSTERESIS = 0.2
+"""Keep a draft while its gain is >= (1 - h) x its cost; start one only at >= (1 + h) x."""
 
 
 @dataclass
@@ -52,7 +66,9 @@ class AcceptanceRate:
 
 class StepTimeModel:
     """t(B) = a + b * B seconds for one step of B batched tokens, fitted by weighted least
-    squares over per-B exponential moving averages of measured step times.
+    squares over per-B exponential moving averages of measured step times (weight: the
+    observations of that B, at most 10). The sums of the fit are kept up to date per
+    observation, so an observation costs O(1) however many step sizes were seen.
 
     Until steps of at least two different sizes were seen, the prior slope is used (its
     intercept moved to the measured mean). The slope is kept >= min_slope_fraction * a, so a
@@ -66,21 +82,29 @@ class StepTimeModel:
         self.ema = ema
         self.min_slope_fraction = min_slope_fraction
         self._means: dict[int, tuple[float, int]] = {}  # B -> (EMA seconds, observations)
+        self._sums = [0.0] * 5  # sum of w, w x, w y, w x^2, w x y over the per-B points
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens < 1 or seconds <= 0:
             return
         mean, n = self._means.get(num_tokens, (seconds, 0))
-        self._means[num_tokens] = (mean + self.ema * (seconds - mean) if n else seconds, n + 1)
+        if n:
+            self._add(num_tokens, mean, min(n, 10), -1.0)
+            mean += self.ema * (seconds - mean)
+        self._means[num_tokens] = (mean, n + 1)
+        self._add(num_tokens, mean, min(n + 1, 10), 1.0)
         self._fit()
 
+    def _add(self, x: float, y: float, w: float, sign: float) -> None:
+        for i, v in enumerate((w, w * x, w * y, w * x * x, w * x * y)):
+            self._sums[i] += sign * v
+
     def _fit(self) -> None:
-        pts = [(x, y, min(n, 10)) for x, (y, n) in self._means.items()]
-        w = sum(p[2] for p in pts)
-        mx = sum(x * n for x, _, n in pts) / w
-        my = sum(y * n for _, y, n in pts) / w
-        sxx = sum(n * (x - mx) ** 2 for x, _, n in pts)
-        b = sum(n * (x - mx) * (y - my) for x, y, n in pts) / sxx if sxx > 0 else self.prior_b
+        w, wx, wy, wxx, wxy = self._sums
+        mx, my = wx / w, wy / w
+        sxx = wxx - w * mx * mx
+        # sxx is a difference of large sums: below ~1e-9 relative it is rounding, not spread
+        b = (wxy - w * mx * my) / sxx if sxx > 1e-9 * max(wxx, 1.0) else self.prior_b
         b = max(b, self.min_slope_fraction * my)  # noise can fit a flat or falling line
         self.a, self.b = max(my - b * mx, 1e-6), b
 
@@ -99,12 +123,18 @@ class Candidate:
     previous_k: int = 0
 
 
+def draft_cost(step_tokens: float, batch_tokens: int, time_model: StepTimeModel) -> float:
+    """Output tokens one more batched token must add to keep the step's tokens per second:
+    S (t(B + 1) / t(B) - 1) for a step of B batched tokens expected to emit S tokens."""
+    return step_tokens * (time_model.predict(batch_tokens + 1) / time_model.predict(batch_tokens) - 1)
+
+
 def choose_k(candidates: list[Candidate], base_tokens: int, base_rows: int, time_model: StepTimeModel,
-             hysteresis: float = 0.05) -> dict[str, int]:
+             hysteresis: float = HYSTERESIS) -> dict[str, int]:
     """k per candidate maximising expected tokens per second (see the module docstring).
 
-    base_tokens: tokens of the step without any draft (every decode row + prefill chunks);
-    base_rows: decode rows of the step (each emits one token with k = 0).
+    base_tokens: tokens of the step without any draft (its decode rows); base_rows: decode rows
+    of the step (each emits one token with k = 0).
     """
     ks = {c.request_id: 0 for c in candidates}
     heap = [(-c.alpha, 1, i, c) for i, c in enumerate(candidates) if c.cap > 0 and c.alpha > 0]
@@ -114,7 +144,7 @@ def choose_k(candidates: list[Candidate], base_tokens: int, base_rows: int, time
         neg_gain, k, i, c = heapq.heappop(heap)
         gain = -neg_gain
         margin = (1 - hysteresis) if k <= c.previous_k else (1 + hysteresis)
-        if (tokens + gain) / time_model.predict(batch + 1) <= margin * tokens / time_model.predict(batch):
+        if gain <= margin * draft_cost(tokens, batch, time_model):
             continue  # this row's later drafts gain even less
         tokens, batch, ks[c.request_id] = tokens + gain, batch + 1, k
         if k < c.cap:

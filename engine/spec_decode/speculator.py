@@ -22,7 +22,7 @@ from typing import Sequence
 from engine.plan import SchedulePlan, StepResult
 from engine.request import Request, RequestState
 from proto.sampling import SamplingParams
-from engine.spec_decode.adaptive import AcceptanceRate, Candidate, StepTimeModel, choose_k
+from engine.spec_decode.adaptive import HYSTERESIS, AcceptanceRate, Candidate, StepTimeModel, choose_k, draft_cost
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer
 
@@ -61,7 +61,6 @@ class Speculator:
         self.previous_k: dict[str, int] = {}
         self.counters = SpecCounters(k_histogram=[0] * (config.num_speculative_tokens + 1))
         self._candidates: frozenset[str] = frozenset()
-        self._other_tokens = 0  # prefill tokens of the last step: they share the next forward too
 
     # ---- 1. proposing ------------------------------------------------------------------------
     def room(self, req: Request) -> int:
@@ -89,23 +88,21 @@ class Speculator:
         return {rid: p[:ks[rid]] for rid, p in proposals.items() if ks[rid]}
 
     def _worth_proposing(self, eligible: list[Request], num_decode_rows: int) -> list[Request]:
-        """Skip the proposer for rows whose first draft choose_k would refuse at this step's
-        S and B: (S + alpha) / t(B + 1) <= (1 + h) S / t(B) (rows that had drafts last step are
-        kept, for the hysteresis). At high load this is every row, and the step costs what a
-        plain decode step costs (no proposing at all). A heuristic prune: choose_k could still
-        have accepted such a row's draft after other rows raised S and B."""
+        """Skip the proposer for rows whose first draft choose_k would refuse at this step's S
+        and B: alpha <= (1 + h) x draft_cost (rows that had drafts last step are kept, for the
+        hysteresis). At high load this is every row, and the step costs what a plain decode
+        step costs (no proposing at all). A heuristic prune: choose_k could still have accepted
+        such a row's draft after other rows raised S and B."""
         if not self.config.adaptive or not eligible:
             return eligible
-        batch = max(num_decode_rows + self._other_tokens, 1)
-        cost = self.time_model.predict(batch + 1) / self.time_model.predict(batch) - 1
-        floor = ((1 + 0.05) * (1 + cost) - 1) * max(num_decode_rows, 1)
+        floor = (1 + HYSTERESIS) * draft_cost(max(num_decode_rows, 1), max(num_decode_rows, 1), self.time_model)
         return [r for r in eligible if self._rate(r.request_id).value > floor or self.previous_k.get(r.request_id)]
 
     def _choose(self, caps: dict[str, int], num_decode_rows: int) -> dict[str, int]:
         if not self.config.adaptive:
             return dict(caps)
         cands = [Candidate(rid, cap, self._rate(rid).value, self.previous_k.get(rid, 0)) for rid, cap in caps.items()]
-        return choose_k(cands, num_decode_rows + self._other_tokens, num_decode_rows, self.time_model)
+        return choose_k(cands, num_decode_rows, num_decode_rows, self.time_model)
 
     def release(self, request_id: str) -> None:
         """The request finished or was aborted: free what the proposer holds for it (draft blocks)."""
@@ -129,11 +126,10 @@ class Speculator:
     def observe(self, plan: SchedulePlan, result: StepResult, seconds: float) -> None:
         """Learn from a finished step: step time vs batched tokens, acceptance per request."""
         self.time_model.observe(plan.num_batched_tokens, seconds)
-        c, verified, decode_tokens = self.counters, 0, 0
+        c, verified = self.counters, 0
         for chunk in plan.chunks:
             k = len(chunk.draft_token_ids)
             is_decode_row = chunk.num_tokens == chunk.num_logits == k + 1
-            decode_tokens += chunk.num_tokens if is_decode_row else 0
             if is_decode_row and chunk.request_id in self._candidates:
                 c.k_histogram[k] += 1
                 self.previous_k[chunk.request_id] = k
@@ -145,4 +141,3 @@ class Speculator:
                                                                        c.num_accepted_tokens + accepted)
             verified += 1
         c.num_verify_steps += bool(verified)
-        self._other_tokens = plan.num_batched_tokens - decode_tokens
