@@ -16,8 +16,9 @@ requests finish, and every worker must come back to idle (no block used or held,
 Goals (issue 14), each reported with its figure:
   lost == 0             a request neither completed nor cancelled by its client (any error code)
   leaked blocks == 0    used + held blocks and leases on every worker after the load, once idle
-  RSS flat within 10%   per process instance, its last sample vs its first after warm-up
-                        (instances that lived at least half the run after warm-up)
+  RSS flat within 10%   per process instance, its last sample vs its first after its own warm-up
+                        (which starts when the instance is first seen: restarted workers load
+                        first; instances that lived at least half the run after warm-up)
   p99 TTFT during a kill <= 3x steady   TTFT of requests sent within KILL_WINDOW_S after a kill
                         vs all other requests sent after warm-up
 Writes soak.json (config, events, samples, per-request records, goals) and rss.png, kv_blocks.png,
@@ -136,13 +137,18 @@ def goals(run: SoakRun) -> dict[str, Any]:
 
 
 def rss_drift(run: SoakRun) -> dict[str, float]:
-    """Per process instance that lived >= half the post-warm-up run: % change, first post-warm-up
-    sample -> last sample."""
+    """Per process instance: % change from its first sample after its own warm-up to its last
+    sample, for instances that lived at least half the post-warm-up run after their warm-up.
+    An instance's warm-up starts when it is first seen: a worker Ray restarted after a kill is
+    still loading its model when it first appears (~300 MiB, then ~2 GiB once serving), and
+    that growth is start-up, not drift."""
     c = run.config
+    first_seen: dict[str, float] = {}
     series: dict[str, list[tuple[float, float]]] = {}
     for s in run.samples:
-        if s.t_s >= c.warmup_s:
-            for key, mib in s.rss_mib.items():
+        for key, mib in s.rss_mib.items():
+            start = first_seen.setdefault(key, s.t_s)
+            if s.t_s >= max(c.warmup_s, start + c.warmup_s):
                 series.setdefault(key, []).append((s.t_s, mib))
     out = {}
     for key, points in series.items():
