@@ -4,7 +4,10 @@ The reference (kernels/torch_ref.py, itself checked against a naive softmax in
 test_model_attention_ops.py) is the oracle. Tolerances: fp32 caches 2e-5 absolute (both sides
 accumulate in fp32, in different orders); bf16 caches: both sides against an fp32 reference
 on the same bf16-rounded inputs, the kernel within 1.6e-2 (two bf16 ulps at the outputs'
-magnitude ~1: the kernel rounds once, at the output) and no worse than the bf16 reference.
+magnitude ~1: the kernel rounds once, at the output) and no worse than the bf16 reference;
+FP8 E4M3 caches: against an exact fp32 read of the dequantized cache, 5e-5 for fp32 queries and
+the bf16 rule for bf16 queries (no worse than the reference's FP8 path). Every kind of row goes
+through the kernel: decode, verification, prefill chunks from position 0 and continued ones.
 """
 
 from __future__ import annotations
@@ -29,7 +32,12 @@ BATCHES = {
     "mixed": [(0, LONG), (5, 1), (40, 3), (33, LONG), (0, 2), (17, 1)],               # prefill from 0 and continued
     "one long prefill": [(0, LONG)],
     "one continued chunk": [(48, LONG)],
+    # past one partition of keys (256): the online rescaling between partitions; one sequence
+    # alone: its keys split over several items (split-K) and merged
+    "long contexts": [(600, 1), (300, 3), (260, 40), (0, 300)],
+    "one long decode": [(900, 1)],
 }
+BIG = {"long contexts", "one long decode"}   # block size 16 only (the test cache holds 2,560 tokens)
 
 
 def scattered_tables(seqs, block_size, seed=0):
@@ -59,37 +67,32 @@ def case(seqs, block_size, kv_heads, group, head_dim, dtype, seed=0):
     tables = scattered_tables(seqs, block_size, seed)
     args = ([s for s, _ in seqs], [q for _, q in seqs], tables, block_size)
     full = AttentionMetadata.build(*args, dtype=dtype)
-    lean = AttentionMetadata.build(*args, dtype=dtype, groups="long")
+    lean = AttentionMetadata.build(*args, dtype=dtype, groups=cpu_attention.CpuAttention.metadata_groups)
     return query, key_cache, value_cache, full, lean, args
 
 
-def new_kv(cache, meta):
-    """The K (or V) this forward's tokens wrote, read back through the slot mapping."""
-    return cache.view(-1, *cache.shape[2:]).index_select(0, meta.slot_mapping)
-
-
-@pytest.mark.parametrize("batch", list(BATCHES))
 # head_dim 64: the AVX-512 paths (block of 16 = one vector of scores; 32 = two; 4 = a partial one);
-# head_dim 8: the portable path (8 % 16 != 0)
-@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (32, 64), (4, 64), (4, 8)])
+# head_dim 8: the portable path (8 % 16 != 0). The long contexts at block size 16 only (the test
+# cache holds 2,560 tokens).
+@pytest.mark.parametrize("batch,block_size,head_dim", [
+    (batch, bs, d) for batch in BATCHES for bs, d in [(16, 64), (32, 64), (4, 64), (4, 8)]
+    if batch not in BIG or bs == 16])
 def test_fp32_matches_the_reference(cpu, batch, block_size, head_dim):
     query, kc, vc, full, lean, _ = case(BATCHES[batch], block_size, kv_heads=2, group=3, head_dim=head_dim,
                                      dtype=torch.float32)
     want = get_attention_backend("torch").paged_attention(query, kc, vc, full, 0.3)
     got = cpu.paged_attention(query, kc, vc, lean, 0.3)
     assert (got - want).abs().max().item() < 2e-5
-    fresh = cpu.paged_attention(query, kc, vc, lean, 0.3, key=new_kv(kc, lean), value=new_kv(vc, lean))
-    assert (fresh - want).abs().max().item() < 2e-5
 
 
-@pytest.mark.parametrize("batch", ["decode", "verification", "mixed"])
-@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (32, 128), (16, 8)])  # AVX512-BF16 dots, and not
+@pytest.mark.parametrize("batch", ["decode", "verification", "mixed", "long contexts"])
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (16, 128), (16, 8)])  # AVX512-BF16 dots, and not
 def test_bf16_within_tolerance_of_fp32(cpu, batch, block_size, head_dim):
     query, kc, vc, full, lean, args = case(BATCHES[batch], block_size, kv_heads=3, group=3, head_dim=head_dim,
                                            dtype=torch.bfloat16)
     ref = get_attention_backend("torch")
     exact = ref.paged_attention(query.float(), kc.float(), vc.float(), AttentionMetadata.build(*args), 0.125)
-    got = cpu.paged_attention(query, kc, vc, lean, 0.125, key=new_kv(kc, lean), value=new_kv(vc, lean))
+    got = cpu.paged_attention(query, kc, vc, lean, 0.125)
     assert got.dtype == torch.bfloat16
     err = (got.float() - exact).abs().max().item()
     ref_err = (ref.paged_attention(query, kc, vc, full, 0.125).float() - exact).abs().max().item()
@@ -120,10 +123,50 @@ def test_metadata_for_the_kernel_builds_only_the_long_groups():
         AttentionMetadata.build([3], [1], [[0]], 16, groups="some")
 
 
-def test_fp8_scales_are_refused_until_supported(cpu):
-    query, kc, vc, _, lean, _ = case(BATCHES["decode"], 16, 1, 1, 16, torch.float32)
-    with pytest.raises(NotImplementedError, match="FP8"):
-        cpu.paged_attention(query, kc, vc, lean, 0.1, k_scale=1.0, v_scale=1.0)
+def fp8_case(seqs, kv_heads, per_head, seed=0):
+    """An E4M3 cache written as the runner writes it (x / scale, saturated), its scales, and
+    the same K/V dequantized to fp32 (what an exact reader sees)."""
+    from kernels.torch_ref import quantize_kv
+
+    query, kc, vc, full, lean, args = case(seqs, 16, kv_heads, 3, 64, torch.float32, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    n = kv_heads if per_head else 1
+    k_scale, v_scale = (torch.rand(n, generator=gen) * 0.01 + 0.002 for _ in range(2))
+    k8, v8 = (quantize_kv((x * 0.5).view(-1, kv_heads, 64), s).view(x.shape) for x, s in ((kc, k_scale), (vc, v_scale)))
+    k32, v32 = (x.float() * s.view(1, 1, -1, 1).expand(1, 1, kv_heads, 1) for x, s in ((k8, k_scale), (v8, v_scale)))
+    return query, (k8, v8), (k32, v32), (k_scale, v_scale), full, lean
+
+
+@pytest.mark.parametrize("batch", ["decode", "mixed", "long contexts"])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_fp8_cache_is_read_with_its_scales(cpu, batch, per_head):
+    """FP8 E4M3 caches: the kernel dequantizes in place; fp32 queries match an exact fp32 read of the
+    dequantized cache to 5e-5, bf16 queries within bf16's tolerance and no worse than the reference's
+    FP8 path (which rounds the dequantized K/V to bf16 before attending)."""
+    query, (k8, v8), (k32, v32), (ks, vs), full, lean = fp8_case(BATCHES[batch], kv_heads=3, per_head=per_head)
+    ref = get_attention_backend("torch")
+    exact = ref.paged_attention(query, k32, v32, full, 0.125)
+    got = cpu.paged_attention(query, k8, v8, lean, 0.125, k_scale=ks, v_scale=vs)
+    assert (got - exact).abs().max().item() < 5e-5
+    assert (ref.paged_attention(query, k8, v8, full, 0.125, k_scale=ks, v_scale=vs) - exact).abs().max() < 5e-5
+    q16 = query.to(torch.bfloat16)
+    exact16 = ref.paged_attention(q16.float(), k32, v32, full, 0.125)
+    got16 = cpu.paged_attention(q16, k8, v8, lean, 0.125, k_scale=ks, v_scale=vs)
+    full16 = AttentionMetadata.build([s for s, _ in BATCHES[batch]], [q for _, q in BATCHES[batch]],
+                                     scattered_tables(BATCHES[batch], 16), 16, dtype=torch.bfloat16)
+    ref16 = ref.paged_attention(q16, k8, v8, full16, 0.125, k_scale=ks, v_scale=vs)
+    err, ref_err = ((x.float() - exact16).abs().max().item() for x in (got16, ref16))
+    assert got16.dtype == torch.bfloat16 and err < 1.6e-2 and err <= ref_err + 1e-6
+
+
+def test_fp8_scales_are_checked(cpu):
+    query, (k8, v8), _, (ks, vs), _, lean = fp8_case(BATCHES["decode"], kv_heads=3, per_head=True)
+    with pytest.raises(ValueError, match="needs k_scale and v_scale"):
+        cpu.paged_attention(query, k8, v8, lean, 0.1)
+    with pytest.raises(ValueError, match="scales are for an FP8 cache"):
+        cpu.paged_attention(query, k8.float(), v8.float(), lean, 0.1, k_scale=ks, v_scale=vs)
+    with pytest.raises(RuntimeError, match="1 or num_kv_heads"):
+        cpu.paged_attention(query, k8, v8, lean, 0.1, k_scale=torch.ones(2), v_scale=torch.ones(2))
 
 
 def test_auto_falls_back_to_the_reference_and_says_why(monkeypatch, caplog):

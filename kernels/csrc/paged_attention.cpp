@@ -1,24 +1,41 @@
-// Paged attention on CPU, reading K/V in place through the block table (no gather copy).
+// Paged attention on CPU, reading K/V in place through the block table (no gather copy), for
+// every kind of row a forward mixes: decode tokens, verification runs and prefill chunks at any
+// start position (chunked prefill, prefix-cache hits), causal inside the chunk.
 //
-// Decode rows and short chunks (verification runs, <= max_query_len queries per sequence):
-// one work item per sequence (per (sequence, KV head) when the batch is too small for the
-// threads). The G query heads that share a KV head and the Q queries of the chunk are G * Q
-// rows of that head, so every K/V block is read once per KV head (converted to fp32 once, the
-// next block prefetched) and reused by all those rows while it is in L1. Online softmax over the sequence's blocks
-// (Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018; the running max /
-// sum / rescaled accumulator of FlashAttention, Dao et al. 2022), accumulated in fp32 whatever
-// the cache dtype (fp32, bf16, fp16). Items are handed to torch's intra-op threads (at::parallel_for,
-// OpenMP: the threads torch.set_num_threads gives) through an atomic counter, so sequences of
-// different lengths balance.
+// Work items. A sequence's chunk is cut into query tiles of at most kTileRows rows per KV head
+// (a row = one query token x one of the G query heads that share the KV head: decode has G rows,
+// a 16-token tile 16 G). One item = one tile of one sequence over one KV head, or over all its
+// KV heads when there are enough tiles for every thread (each cache block is then one contiguous
+// range of memory). Items go to torch's intra-op threads (at::parallel_for, OpenMP) through an
+// atomic counter, so tiles of different cost balance.
 //
-// AVX-512 paths where the compiler targets it (-march=native on a CPU with AVX-512F): fp32 caches
-// are read in place, bf16/fp16 blocks converted to fp32 once per block and KV head; with
-// AVX512-BF16 and a bf16 query, q . k runs on the bf16 cache directly (vdpbf16ps: exact bf16
-// products summed in fp32). Sixteen keys' dot products are reduced together (one transpose-and-
-// add tree) and the block's softmax step is one vector. Elsewhere a portable scalar path with the
-// same algorithm.
+// Inside an item the visible keys (0 .. start + last query of the tile) are taken in partitions
+// of about kPartitionKeys keys (whole blocks), each in three passes over its blocks:
+//   1. scores: s = scale q . k for every row and key (the K block read once per KV head, reused
+//      by every row of the head from L1; with AVX512-BF16 and a bf16 query and cache, vdpbf16ps
+//      on the cache's bytes; else the block converted to fp32 once);
+//   2. softmax: per row, the partition's max (keys past the row's causal limit excluded), the
+//      running max updated once, p = exp(s - max) vectorized over the whole partition, the running
+//      sum and accumulator rescaled once;
+//   3. values: acc += p V, the V block converted to fp32 once and streamed through register
+//      tiles of up to 6 rows x head_dim accumulators.
+// This is the two-pass softmax within a partition and FlashAttention's online rescaling between
+// partitions (Milakov & Gimelshein 2018; Dao et al. 2022). The earlier kernel did the online step
+// per 16-key block and row (max, exp, sum, rescale in one dependency chain per block), which bound
+// decode on latency, not on memory or arithmetic. Accumulation is fp32 whatever the cache dtype.
+//
+// Small batches split a tile's keys over several items (split-K, as flash decoding does): each
+// writes its partial (max, sum, accumulator) and a final pass merges them, so a single sequence
+// still occupies every thread.
+//
+// Caches: fp32, bf16, fp16, or FP8 E4M3 with per-layer or per-KV-head fp32 scales (the cache holds
+// x / scale, see kernels/torch_ref.py): the K scale is folded into the query, the V scale into the
+// final normalization, the bytes dequantized to fp32 in the kernel.
+//
+// AVX-512 where the compiler targets it (-march=native), head_dim in {32, 64, 128}; a portable
+// scalar path with the same algorithm elsewhere.
 // Only the headers the kernel needs (torch/extension.h takes ~15 s of the build to parse, these ~3 s);
-// registered as a torch operator (no pybind): torch.ops.pdserve_attn.paged_attention_short.
+// registered as torch operators (no pybind): torch.ops.pdserve_attn.*.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -26,7 +43,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -38,73 +57,52 @@
 
 namespace {
 
+#if defined(__AVX512F__)
+using pdserve_simd::exp_neg;
+using pdserve_simd::load16;
+#endif
+
+constexpr int kTileRows = 48;        // rows per KV head of one item (16 queries at G = 3)
+constexpr int kPartitionKeys = 256;  // keys per partition (rounded to whole blocks)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
 template <typename T>
 inline float to_f32(T x) { return static_cast<float>(x); }
 
 #if defined(__AVX512F__)
-using pdserve_simd::load16;
-using pdserve_simd::exp_neg;
+inline __mmask16 tail_mask(int n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
 #endif
 
-// s[0..n) = exp(s - m); returns their sum.
-inline float exp_sum(float* s, int n, float m) {
-  float sum = 0.f;
-  int t = 0;
-#if defined(__AVX512F__)
-  __m512 vm = _mm512_set1_ps(m), vs = _mm512_setzero_ps();
-  for (; t < n; t += 16) {
-    __mmask16 mask = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
-    __m512 e = exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), vm));
-    _mm512_mask_storeu_ps(s + t, mask, e);
-    vs = _mm512_mask_add_ps(vs, mask, vs, e);
-  }
-  sum = _mm512_reduce_add_ps(vs);
-#endif
-  for (; t < n; ++t) {
-    s[t] = std::exp(s[t] - m);
-    sum += s[t];
-  }
-  return sum;
-}
-
-// q (fp32, length d) . k (cache dtype).
+// dst[t * d + i] = src[t * stride + i] as fp32, t < n: one block's K (or V) rows of one KV head.
 template <typename T>
-inline float dot(const float* q, const T* k, int d) {
-  int i = 0;
-  float sum = 0.f;
-#if defined(__AVX512F__)
-  if (d % 16 == 0) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    for (; i + 32 <= d; i += 32) {
-      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), a0);
-      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i + 16), load16(k + i + 16), a1);
-    }
-    for (; i < d; i += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), a0);
-    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-  }
-#endif
-  for (; i < d; ++i) sum += q[i] * to_f32(k[i]);
-  return sum;
-}
-
-// acc[0..d) = acc * corr + sum_t p[t] * v_t, v_t = v + t * v_stride.
-template <typename T>
-inline void rescale_accumulate(float* acc, float corr, const float* p, const T* v, int64_t v_stride, int n, int d) {
-#if defined(__AVX512F__)
-  if (d % 16 == 0) {
-    for (int i = 0; i < d; i += 16) {
-      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + i), _mm512_set1_ps(corr));
-      for (int t = 0; t < n; ++t) a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), load16(v + t * v_stride + i), a);
-      _mm512_storeu_ps(acc + i, a);
-    }
-    return;
-  }
-#endif
-  for (int i = 0; i < d; ++i) acc[i] *= corr;
+inline void load_block(float* dst, const T* src, int64_t stride, int n, int d) {
   for (int t = 0; t < n; ++t) {
-    const T* vt = v + t * v_stride;
-    for (int i = 0; i < d; ++i) acc[i] += p[t] * to_f32(vt[i]);
+    const T* row = src + t * stride;
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= d; i += 16) _mm512_storeu_ps(dst + t * d + i, load16(row + i));
+#endif
+    for (; i < d; ++i) dst[t * d + i] = to_f32(row[i]);
   }
+}
+
+// Ask for a block's rows (span elements from each of n tokens, stride apart) before they are
+// needed: the blocks of a sequence are scattered, so the hardware prefetcher cannot guess them.
+// Rows that follow each other (span == stride: every KV head of the block) are one range.
+template <typename T>
+inline void prefetch_block(const T* src, int64_t stride, int n, int64_t span, int hint) {
+#if defined(__AVX512F__) || defined(__SSE__)
+  const int64_t bytes = span * static_cast<int64_t>(sizeof(T));
+  const int rows = span == stride ? 1 : n;
+  const int64_t row_bytes = span == stride ? bytes * n : bytes;
+  for (int t = 0; t < rows; ++t) {
+    const char* row = reinterpret_cast<const char*>(src + t * stride);
+    if (hint == 0)
+      for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+    else
+      for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T1);
+  }
+#endif
 }
 
 #if defined(__AVX512F__)
@@ -112,9 +110,9 @@ inline void rescale_accumulate(float* acc, float corr, const float* p, const T* 
 // and-add tree (45 shuffles and adds instead of 16 separate reductions of ~8 each).
 inline __m512 reduce16(const __m512* a) {
   __m512 b[8], c[4];
-  for (int i = 0; i < 8; ++i)   // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
+  for (int i = 0; i < 8; ++i)
     b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int k = 0; k < 4; ++k) {  // per 128-bit lane: the lane's partial sums of tokens 4k .. 4k+3
+  for (int k = 0; k < 4; ++k) {
     const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * k]), _mm512_castps_pd(b[2 * k + 1]));
     const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * k]), _mm512_castps_pd(b[2 * k + 1]));
     c[k] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
@@ -127,10 +125,9 @@ inline __m512 reduce16(const __m512* a) {
                        _mm512_shuffle_f32x4(d01, d23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// head_dim = 16 * NC, known at compile time: the loops unroll and the accumulators stay in
-// registers. s[t] = q . k_t for t < n, k_t = kf + t * ld (fp32).
+// s[t] = q . k_t for t < n, k_t = kf + t * ld (fp32), head_dim = 16 NC.
 template <int NC>
-inline void scores_fixed(const float* q, const float* kf, int64_t ld, int n, float* s) {
+inline void scores_f32(const float* q, const float* kf, int64_t ld, int n, float* s) {
   __m512 qv[NC];
   for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
   for (int t0 = 0; t0 < n; t0 += 16) {
@@ -146,40 +143,51 @@ inline void scores_fixed(const float* q, const float* kf, int64_t ld, int n, flo
       for (int c = 1; c < NC; ++c) x = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), x);
       a[t] = x;
     }
-    _mm512_mask_storeu_ps(s + t0, m >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << m) - 1), reduce16(a));
+    _mm512_mask_storeu_ps(s + t0, tail_mask(m), reduce16(a));
   }
 }
 
-// acc = acc * corr + sum_t p[t] v_t for t < n, v_t = vf + t * ld (fp32).
-template <int NC>
-inline void accumulate_fixed(float* acc, float corr, const float* p, const float* vf, int64_t ld, int n) {
-  __m512 a[NC], b[NC];   // even and odd tokens: two independent FMA chains per chunk
-  const __m512 vc = _mm512_set1_ps(corr);
-  for (int c = 0; c < NC; ++c) {
-    a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), vc);
-    b[c] = _mm512_setzero_ps();
-  }
-  int t = 0;
-  for (; t + 2 <= n; t += 2) {
-    const __m512 p0 = _mm512_set1_ps(p[t]), p1 = _mm512_set1_ps(p[t + 1]);
-    const float* v0 = vf + t * ld;
-    const float* v1 = v0 + ld;
-    for (int c = 0; c < NC; ++c) {
-      a[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), a[c]);
-      b[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), b[c]);
+// acc[r] += sum_t p[r][t] v_t for RB rows (p rows ps apart), t < n, v_t = v + t * ld (fp32, or
+// converted as it is loaded); head_dim = 16 NC. RB x NC accumulators stay in registers for the
+// whole block.
+template <int NC, int RB, typename V>
+inline void accumulate_rows(float* acc, int64_t acc_ld, const float* p, int64_t ps, const V* v, int64_t ld, int n) {
+  __m512 a[RB][NC];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NC; ++c) a[r][c] = _mm512_loadu_ps(acc + r * acc_ld + 16 * c);
+  for (int t = 0; t < n; ++t) {
+    __m512 x[NC];
+    for (int c = 0; c < NC; ++c) x[c] = load16(v + t * ld + 16 * c);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 pr = _mm512_set1_ps(p[r * ps + t]);
+      for (int c = 0; c < NC; ++c) a[r][c] = _mm512_fmadd_ps(pr, x[c], a[r][c]);
     }
   }
-  if (t < n) {
-    const __m512 p0 = _mm512_set1_ps(p[t]);
-    for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vf + t * ld + 16 * c), a[c]);
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + r * acc_ld + 16 * c, a[r][c]);
+}
+
+// RB = rows % (max rows per tile), as a run-time switch over the instantiated tile heights.
+template <int NC, int MAXRB, typename V>
+inline void accumulate_tail(int rows, float* acc, int64_t acc_ld, const float* p, int64_t ps, const V* v,
+                            int64_t ld, int n) {
+  if constexpr (MAXRB > 0) {
+    if (rows == MAXRB) return accumulate_rows<NC, MAXRB>(acc, acc_ld, p, ps, v, ld, n);
+    return accumulate_tail<NC, MAXRB - 1>(rows, acc, acc_ld, p, ps, v, ld, n);
   }
-  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + 16 * c, _mm512_add_ps(a[c], b[c]));
+}
+
+// dst[t * 16 NC + i] = src[t * stride + i] as fp32, t < n (head_dim = 16 NC, unrolled).
+template <int NC, typename T>
+inline void load_block_fixed(float* dst, const T* src, int64_t stride, int n) {
+  for (int t = 0; t < n; ++t)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(dst + (t * NC + c) * 16, load16(src + t * stride + 16 * c));
 }
 #endif
 
 #if defined(__AVX512BF16__)
 // bf16 query and bf16 keys: s[t] = scale * (q . k_t) with the AVX512-BF16 dot product (bf16 pairs
-// multiplied exactly, summed in fp32), read from the cache without conversion. NC2 = d / 32.
+// multiplied exactly, summed in fp32), read from the cache without conversion. head_dim = 32 NC2.
 template <int NC2>
 inline void scores_bf16(const at::BFloat16* q, const at::BFloat16* kc, int64_t ld, int n, float scale, float* s) {
   __m512bh qv[NC2];
@@ -194,258 +202,413 @@ inline void scores_bf16(const at::BFloat16* q, const at::BFloat16* kc, int64_t l
       const at::BFloat16* k = kc + (t0 + t) * ld;
       for (int c = 0; c < NC2; ++c) a[t] = _mm512_dpbf16_ps(a[t], qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
     }
-    _mm512_mask_storeu_ps(s + t0, m >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << m) - 1),
-                          _mm512_mul_ps(reduce16(a), vscale));
+    _mm512_mask_storeu_ps(s + t0, tail_mask(m), _mm512_mul_ps(reduce16(a), vscale));
   }
 }
 #endif
 
-// True (and s filled) when the bf16 dot-product path applies: bf16 query and cache, d in {32, 64, 128}.
+// Whether the query . key products run on the bf16 cache directly (AVX512-BF16, d in {32, 64, 128}).
 template <typename Q, typename KV>
-inline bool block_scores_native(const Q* q, const KV* kc, int64_t ld, int n, int d, float scale, float* s) {
+inline bool native_bf16(int d) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<KV, at::BFloat16>) {
-    switch (d) {
-      case 64: scores_bf16<2>(q, kc, ld, n, scale, s); return true;
-      case 128: scores_bf16<4>(q, kc, ld, n, scale, s); return true;
-      case 32: scores_bf16<1>(q, kc, ld, n, scale, s); return true;
-      default: return false;
-    }
-  }
+  if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<KV, at::BFloat16>) return d == 32 || d == 64 || d == 128;
 #endif
+  (void)d;
   return false;
 }
 
-// s[t] = q . k_t for t < n, k_t = kf + t * ld (rows of length d, fp32).
-inline void block_scores(const float* q, const float* kf, int64_t ld, int n, int d, float* s) {
+template <typename Q, typename KV>
+inline void scores_native(const Q* q, const KV* kc, int64_t ld, int n, int d, float scale, float* s) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<KV, at::BFloat16>) {
+    switch (d) {
+      case 64: return scores_bf16<2>(q, kc, ld, n, scale, s);
+      case 128: return scores_bf16<4>(q, kc, ld, n, scale, s);
+      case 32: return scores_bf16<1>(q, kc, ld, n, scale, s);
+      default: break;
+    }
+  }
+#endif
+  (void)q, (void)kc, (void)ld, (void)n, (void)d, (void)scale, (void)s;
+}
+
+// s[t] = q . k_t for t < n (fp32 rows of length d, k_t = kf + t * ld).
+inline void scores(const float* q, const float* kf, int64_t ld, int n, int d, float* s) {
 #if defined(__AVX512F__)
   switch (d) {
-    case 64: return scores_fixed<4>(q, kf, ld, n, s);
-    case 128: return scores_fixed<8>(q, kf, ld, n, s);
-    case 32: return scores_fixed<2>(q, kf, ld, n, s);
+    case 64: return scores_f32<4>(q, kf, ld, n, s);
+    case 128: return scores_f32<8>(q, kf, ld, n, s);
+    case 32: return scores_f32<2>(q, kf, ld, n, s);
     default: break;
   }
 #endif
-  for (int t = 0; t < n; ++t) s[t] = dot(q, kf + t * ld, d);
+  for (int t = 0; t < n; ++t) {
+    float sum = 0.f;
+    for (int i = 0; i < d; ++i) sum += q[i] * kf[t * ld + i];
+    s[t] = sum;
+  }
 }
 
-// acc = acc * corr + sum_t p[t] v_t, v_t = vf + t * ld (rows of length d, fp32).
-inline void block_accumulate(float* acc, float corr, const float* p, const float* vf, int64_t ld, int n, int d) {
+// acc[r] += sum_t p[r][t] v_t for rows r < rows (acc rows d apart, p rows ps apart), t < n,
+// v_t = v + t * ld. V is converted to fp32 as it is loaded when one register tile covers every
+// row (decode), else once into vf (bs x d floats) and read from L1 by every tile.
+template <typename V>
+inline void accumulate(float* acc, int rows, const float* p, int64_t ps, const V* v, int64_t ld, int n, int d,
+                       float* vf) {
 #if defined(__AVX512F__)
-  switch (d) {
-    case 64: return accumulate_fixed<4>(acc, corr, p, vf, ld, n);
-    case 128: return accumulate_fixed<8>(acc, corr, p, vf, ld, n);
-    case 32: return accumulate_fixed<2>(acc, corr, p, vf, ld, n);
+  auto tiles = [&](auto nc_tag, auto rb_tag) {
+    constexpr int NC = decltype(nc_tag)::value, RB = decltype(rb_tag)::value;
+    if (rows <= RB) {
+      if (rows == RB) return accumulate_rows<NC, RB>(acc, d, p, ps, v, ld, n);
+      return accumulate_tail<NC, RB - 1>(rows, acc, d, p, ps, v, ld, n);
+    }
+    const float* src = reinterpret_cast<const float*>(v);
+    if constexpr (!std::is_same_v<V, float>) {
+      load_block_fixed<NC>(vf, v, ld, n);
+      src = vf;
+      ld = d;
+    }
+    int r = 0;
+    for (; r + RB <= rows; r += RB) accumulate_rows<NC, RB>(acc + r * d, d, p + r * ps, ps, src, ld, n);
+    if (r < rows) accumulate_tail<NC, RB - 1>(rows - r, acc + r * d, d, p + r * ps, ps, src, ld, n);
+  };
+  switch (d) {  // RB x NC <= 24 accumulators, plus NC values and a broadcast, within 32 registers
+    case 64: return tiles(std::integral_constant<int, 4>{}, std::integral_constant<int, 6>{});
+    case 128: return tiles(std::integral_constant<int, 8>{}, std::integral_constant<int, 3>{});
+    case 32: return tiles(std::integral_constant<int, 2>{}, std::integral_constant<int, 8>{});
     default: break;
   }
 #endif
-  rescale_accumulate(acc, corr, p, vf, ld, n, d);
+  for (int r = 0; r < rows; ++r)
+    for (int t = 0; t < n; ++t) {
+      const float pt = p[r * ps + t];
+      for (int i = 0; i < d; ++i) acc[r * d + i] += pt * to_f32(v[t * ld + i]);
+    }
+  (void)vf;
 }
 
-// One block's online-softmax step for one row: m_new = max(m_old, max_t s[t]); s[t] becomes
-// exp(s[t] - m_new) and sum their sum (t < n).
-inline void softmax_block(float* s, int n, float m_old, float& m_new, float& sum) {
+// Rows' softmax step over one partition: s[0 .. vis) -> exp(s - m_new), s[vis .. n) -> 0; m and l
+// (running max and sum) updated, acc (d floats) rescaled. Returns false when the row sees no key.
+inline bool softmax_row(float* s, int vis, int n, float& m, float& l, float* acc, int d) {
+  for (int t = std::max(vis, 0); t < n; ++t) s[t] = 0.f;
+  if (vis <= 0) return false;
+  int t = 0;
+  float bmax = kNegInf;
 #if defined(__AVX512F__)
-  if (n <= 16) {   // one vector: no scalar max chain, no store/reload
-    const __mmask16 mask = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
-    const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), mask, s);
-    m_new = std::max(m_old, _mm512_reduce_max_ps(sv));
-    const __m512 e = _mm512_maskz_mov_ps(mask, exp_neg(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
-    _mm512_mask_storeu_ps(s, mask, e);
-    sum = _mm512_reduce_add_ps(e);
-    return;
-  }
+  __m512 vmax = _mm512_set1_ps(kNegInf);
+  for (; t + 16 <= vis; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
+  if (t < vis) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, tail_mask(vis - t), s + t));
+  bmax = _mm512_reduce_max_ps(vmax);
+  t = vis;
 #endif
-  float bmax = -std::numeric_limits<float>::infinity();
-  for (int t = 0; t < n; ++t) bmax = std::max(bmax, s[t]);
-  m_new = std::max(m_old, bmax);
-  sum = exp_sum(s, n, m_new);
+  for (; t < vis; ++t) bmax = std::max(bmax, s[t]);
+  const float m_new = std::max(m, bmax);
+  const float corr = m == kNegInf ? 0.f : std::exp(m - m_new);
+  float sum = 0.f;
+  t = 0;
+#if defined(__AVX512F__)
+  const __m512 vm = _mm512_set1_ps(m_new);
+  __m512 vs = _mm512_setzero_ps();
+  for (; t < vis; t += 16) {
+    const __mmask16 mask = tail_mask(vis - t);
+    const __m512 e = _mm512_maskz_mov_ps(mask, exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), vm)));
+    _mm512_mask_storeu_ps(s + t, mask, e);
+    vs = _mm512_add_ps(vs, e);
+  }
+  sum = _mm512_reduce_add_ps(vs);
+#endif
+  for (; t < vis; ++t) {
+    s[t] = std::exp(s[t] - m_new);
+    sum += s[t];
+  }
+  if (corr != 1.f)
+    for (int i = 0; i < d; ++i) acc[i] *= corr;
+  l = l * corr + sum;
+  m = m_new;
+  return true;
 }
+
+// One work item: sequence b, KV heads h0 .. h0 + nh - 1, queries q0 .. q1 - 1 of its chunk, keys
+// k0 .. k1 - 1 (k1 = -1: every key the tile sees). slot >= 0: write a partial result there
+// (split-K), else the output.
+struct Item {
+  int64_t b;
+  int32_t h0, nh, q0, q1;
+  int64_t k0, k1, slot;
+};
+
+// What every item of one call shares.
+template <typename Q, typename KV>
+struct Call {
+  const Q* query;
+  int64_t q_tok, q_head;
+  const KV* key_cache;
+  const KV* value_cache;
+  int64_t cs[3];           // cache strides: block, token, head
+  const int64_t* block_tables;
+  int64_t bt_stride;
+  const int64_t* seq_lens;
+  const int64_t* query_start_loc;
+  Q* out;
+  int64_t os[2];
+  int group, d, block_size, partition;
+  float scale;
+  const float* k_scale;    // nullptr, or [1] / [Hkv] (scale_heads)
+  const float* v_scale;
+  int64_t scale_heads;
+  float* partial;          // [slots][rows_max][d + 2]: acc, m, l
+  int64_t partial_rows;
+};
 
 struct Scratch {
   std::vector<float> q, acc, m, l, s, kf, vf;
 };
 
-// dst[t * d + i] = src[t * stride + i] as fp32, t < n: one block's K (or V) rows of one KV head,
-// converted once and then read by every query row of the item from L1.
-template <typename T>
-inline void load_block(float* dst, const T* src, int64_t stride, int n, int d) {
-  for (int t = 0; t < n; ++t) {
-    const T* row = src + t * stride;
-    int i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= d; i += 16) _mm512_storeu_ps(dst + t * d + i, load16(row + i));
-#endif
-    for (; i < d; ++i) dst[t * d + i] = to_f32(row[i]);
-  }
-}
-
-// Ask for the next block's rows while this one is computed: the blocks of a sequence are
-// scattered, so the hardware prefetcher cannot guess them.
-template <typename T>
-inline void prefetch_block(const T* src, int64_t stride, int n, int d) {
-#if defined(__AVX512F__) || defined(__SSE__)
-  const int64_t bytes = static_cast<int64_t>(d) * sizeof(T);
-  for (int t = 0; t < n; ++t)
-    for (int64_t off = 0; off < bytes; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(src + t * stride) + off, _MM_HINT_T0);
-#endif
-}
-
-// One item: sequence b, KV heads h0 .. h0 + nh - 1. Row r of head h: query token r / group,
-// query head h * group + r % group.
-struct Item {
-  int64_t b;
-  int64_t h0, nh;
-};
-
 template <typename Q, typename KV>
-void attend_item(const Item& it, const Q* query, int64_t q_tok_stride, int64_t q_head_stride,
-                 const KV* key_cache, const KV* value_cache, const int64_t* cs, const int64_t* block_tables,
-                 int64_t bt_stride, const int64_t* seq_lens, const int64_t* query_start_loc, Q* out,
-                 const int64_t* os, int group, int d, int block_size, float scale, Scratch& w) {
-  const int64_t b = it.b, h0 = it.h0, nh = it.nh;
-  const int64_t first = query_start_loc[b];
-  const int qlen = static_cast<int>(query_start_loc[b + 1] - first);
-  const int64_t seq_len = seq_lens[b];
-  const int64_t start = seq_len - qlen;
-  const int rows = qlen * group;
-  const size_t all_rows = static_cast<size_t>(rows * nh);
-  w.q.resize(all_rows * d);
+void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w) {
+  const int d = c.d, group = c.group, bs = c.block_size;
+  const int64_t first = c.query_start_loc[it.b];
+  const int64_t qlen = c.query_start_loc[it.b + 1] - first;
+  const int64_t start = c.seq_lens[it.b] - qlen;    // position of the chunk's first query
+  const int rows = (it.q1 - it.q0) * group;          // per KV head
+  const int nh = it.nh;
+  const size_t all_rows = static_cast<size_t>(rows) * nh;
+  const int64_t k_end = it.k1 >= 0 ? it.k1 : start + it.q1;
+  const bool native = native_bf16<Q, KV>(d);
   w.acc.assign(all_rows * d, 0.f);
-  w.m.assign(all_rows, -std::numeric_limits<float>::infinity());
+  w.m.assign(all_rows, kNegInf);
   w.l.assign(all_rows, 0.f);
-  w.s.resize(block_size);
-  w.kf.resize(static_cast<size_t>(block_size) * d);
-  w.vf.resize(static_cast<size_t>(block_size) * d);
-  for (int64_t h = h0; h < h0 + nh; ++h)
-    for (int r = 0; r < rows; ++r) {
-      const Q* src = query + (first + r / group) * q_tok_stride + (h * group + r % group) * q_head_stride;
-      float* dst = w.q.data() + ((h - h0) * rows + r) * d;
-      for (int i = 0; i < d; ++i) dst[i] = to_f32(src[i]) * scale;
-    }
-  const int64_t* table = block_tables + b * bt_stride;
-  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-  float probe;
-  const bool native = block_scores_native(query, key_cache, 0, 0, d, 1.f, &probe);  // n = 0: only asks
-  // The item's heads of one token are contiguous: (nh - 1) * cs[2] + d elements.
-  const int span = static_cast<int>((nh - 1) * cs[2] + d);
-  for (int64_t kb = 0; kb < num_blocks; ++kb) {
-    const int64_t base = kb * block_size;
-    const int n_block = static_cast<int>(std::min<int64_t>(block_size, seq_len - base));
-    if (kb + 1 < num_blocks) {   // (2 or 4 blocks ahead, or into L2 only, measured no better)
-      const int64_t next = table[kb + 1] * cs[0] + h0 * cs[2];
-      const int n_next = static_cast<int>(std::min<int64_t>(block_size, seq_len - base - block_size));
-      prefetch_block(key_cache + next, cs[1], n_next, span);
-      prefetch_block(value_cache + next, cs[1], n_next, span);
-    }
-    for (int64_t h = h0; h < h0 + nh; ++h) {
-      const int64_t off = table[kb] * cs[0] + h * cs[2];
-      const float *kf, *vf;
-      int64_t ld;
-      if constexpr (std::is_same_v<KV, float>) {   // read in place
-        kf = key_cache + off;
-        vf = value_cache + off;
-        ld = cs[1];
-      } else {                                     // converted once, read by every row from L1
-        if (!native) load_block(w.kf.data(), key_cache + off, cs[1], n_block, d);
-        load_block(w.vf.data(), value_cache + off, cs[1], n_block, d);
-        kf = w.kf.data();
-        vf = w.vf.data();
-        ld = d;
-      }
+  w.s.resize(all_rows * c.partition);
+  w.kf.resize(static_cast<size_t>(bs) * d);
+  w.vf.resize(static_cast<size_t>(bs) * d);
+  auto q_row = [&](int h, int r) {
+    return c.query + (first + it.q0 + r / group) * c.q_tok + (static_cast<int64_t>(h) * group + r % group) * c.q_head;
+  };
+  if (!native) {   // fp32 rows, scale (and an FP8 cache's K scale) folded in
+    w.q.resize(all_rows * d);
+    for (int hh = 0; hh < nh; ++hh) {
+      const int h = it.h0 + hh;
+      const float ks = c.k_scale == nullptr ? 1.f : c.k_scale[c.scale_heads == 1 ? 0 : h];
       for (int r = 0; r < rows; ++r) {
-        // causal: query i (position start + i) sees keys 0 .. start + i
-        const int64_t visible = start + r / group + 1 - base;
-        const int n = static_cast<int>(std::min<int64_t>(n_block, visible));
-        if (n <= 0) continue;
-        const size_t hr = static_cast<size_t>((h - h0) * rows + r);
-        float* s = w.s.data();
-        if (!native || !block_scores_native(query + (first + r / group) * q_tok_stride + (h * group + r % group) * q_head_stride,
-                                            key_cache + off, cs[1], n, d, scale, s))
-          block_scores(w.q.data() + hr * d, kf, ld, n, d, s);
-        const float m_old = w.m[hr];
-        float m_new, sum;
-        softmax_block(s, n, m_old, m_new, sum);
-        // 0 on the first block (m_old = -inf); 1, without a call, while the running max holds
-        const float corr = m_new == m_old ? 1.f : std::exp(m_old - m_new);
-        w.l[hr] = w.l[hr] * corr + sum;
-        w.m[hr] = m_new;
-        block_accumulate(w.acc.data() + hr * d, corr, s, vf, ld, n, d);
+        const Q* src = q_row(h, r);
+        float* dst = w.q.data() + (static_cast<size_t>(hh) * rows + r) * d;
+        for (int i = 0; i < d; ++i) dst[i] = to_f32(src[i]) * c.scale * ks;
       }
     }
   }
-  for (int64_t h = h0; h < h0 + nh; ++h)
+  const int64_t* table = c.block_tables + it.b * c.bt_stride;
+  // The item's heads of one token are contiguous: (nh - 1) * head stride + d elements.
+  const int64_t span = (nh - 1) * c.cs[2] + d;
+  const int64_t ps = c.partition;   // scores row stride
+  for (int64_t p0 = it.k0; p0 < k_end; p0 += c.partition) {
+    const int64_t p1 = std::min<int64_t>(p0 + c.partition, k_end);
+    const int64_t kb0 = p0 / bs, kb1 = (p1 + bs - 1) / bs;
+    // 1. scores
+    for (int64_t kb = kb0; kb < kb1; ++kb) {
+      const int64_t base = kb * bs;
+      const int n = static_cast<int>(std::min<int64_t>(bs, p1 - base));
+      if (kb + 1 < kb1) {   // the next K block into L1, its V block into L2 for pass 3
+        const int64_t next = table[kb + 1] * c.cs[0] + static_cast<int64_t>(it.h0) * c.cs[2];
+        const int n_next = static_cast<int>(std::min<int64_t>(bs, p1 - base - bs));
+        prefetch_block(c.key_cache + next, c.cs[1], n_next, span, 0);
+        prefetch_block(c.value_cache + next, c.cs[1], n_next, span, 1);
+      }
+      for (int hh = 0; hh < nh; ++hh) {
+        const int64_t off = table[kb] * c.cs[0] + static_cast<int64_t>(it.h0 + hh) * c.cs[2];
+        const float* kf = nullptr;
+        int64_t ld = d;
+        if constexpr (std::is_same_v<KV, float>) {
+          kf = c.key_cache + off;
+          ld = c.cs[1];
+        } else if (!native) {
+          load_block(w.kf.data(), c.key_cache + off, c.cs[1], n, d);
+          kf = w.kf.data();
+        }
+        for (int r = 0; r < rows; ++r) {
+          float* s = w.s.data() + (static_cast<size_t>(hh) * rows + r) * ps + (base - p0);
+          if (native) scores_native(q_row(it.h0 + hh, r), c.key_cache + off, c.cs[1], n, d, c.scale, s);
+          else scores(w.q.data() + (static_cast<size_t>(hh) * rows + r) * d, kf, ld, n, d, s);
+        }
+      }
+    }
+    // 2. softmax; rows of a tile past the partition's keys (causal) are skipped in pass 3
+    const int plen = static_cast<int>(p1 - p0);
+    int live_rows = 0;   // rows 0 .. live_rows - 1 see a key of this partition (visibility grows with r)
+    for (int hh = 0; hh < nh; ++hh)
+      for (int r = 0; r < rows; ++r) {
+        const size_t hr = static_cast<size_t>(hh) * rows + r;
+        const int64_t limit = start + it.q0 + r / group + 1;   // keys < limit are visible
+        const int vis = static_cast<int>(std::clamp<int64_t>(limit - p0, 0, plen));
+        if (softmax_row(w.s.data() + hr * ps, vis, plen, w.m[hr], w.l[hr], w.acc.data() + hr * d, d) && hh == 0)
+          live_rows = r + 1;
+      }
+    if (live_rows == 0) continue;
+    // 3. values
+    for (int64_t kb = kb0; kb < kb1; ++kb) {
+      const int64_t base = kb * bs;
+      const int n = static_cast<int>(std::min<int64_t>(bs, p1 - base));
+      if (kb + 1 < kb1) {
+        const int64_t next = table[kb + 1] * c.cs[0] + static_cast<int64_t>(it.h0) * c.cs[2];
+        prefetch_block(c.value_cache + next, c.cs[1], static_cast<int>(std::min<int64_t>(bs, p1 - base - bs)), span, 0);
+      }
+      for (int hh = 0; hh < nh; ++hh) {
+        const int64_t off = table[kb] * c.cs[0] + static_cast<int64_t>(it.h0 + hh) * c.cs[2];
+        const size_t hr0 = static_cast<size_t>(hh) * rows;
+        accumulate(w.acc.data() + hr0 * d, live_rows, w.s.data() + hr0 * ps + (base - p0), ps, c.value_cache + off,
+                   c.cs[1], n, d, w.vf.data());
+      }
+    }
+  }
+  for (int hh = 0; hh < nh; ++hh) {
+    const int h = it.h0 + hh;
+    const float vs = c.v_scale == nullptr ? 1.f : c.v_scale[c.scale_heads == 1 ? 0 : h];
     for (int r = 0; r < rows; ++r) {
-      const size_t hr = static_cast<size_t>((h - h0) * rows + r);
-      Q* dst = out + (first + r / group) * os[0] + (h * group + r % group) * os[1];
-      const float inv = 1.f / w.l[hr];
-      for (int i = 0; i < d; ++i) dst[i] = static_cast<Q>(w.acc[hr * d + i] * inv);
+      const size_t hr = static_cast<size_t>(hh) * rows + r;
+      const float* acc = w.acc.data() + hr * d;
+      if (it.slot >= 0) {   // partial: unnormalized acc (V scale applied), max, sum
+        float* dst = c.partial + (it.slot * c.partial_rows + hr) * (d + 2);
+        for (int i = 0; i < d; ++i) dst[i] = acc[i] * vs;
+        dst[d] = w.m[hr];
+        dst[d + 1] = w.l[hr];
+        continue;
+      }
+      Q* dst = c.out + (first + it.q0 + r / group) * c.os[0] + (static_cast<int64_t>(h) * group + r % group) * c.os[1];
+      const float inv = vs / w.l[hr];
+      for (int i = 0; i < d; ++i) dst[i] = static_cast<Q>(acc[i] * inv);
+    }
+  }
+}
+
+// The merge of split-K partials of one tile (slots first .. first + n - 1): out = sum_j e^(m_j - M) acc_j
+// / sum_j e^(m_j - M) l_j, M = max_j m_j (a partial whose keys the row does not see has m = -inf).
+template <typename Q, typename KV>
+void merge_partials(const Item& it, int64_t first_slot, int n_slots, const Call<Q, KV>& c) {
+  const int d = c.d, group = c.group;
+  const int rows = (it.q1 - it.q0) * c.group;
+  const int64_t first = c.query_start_loc[it.b];
+  for (int hh = 0; hh < it.nh; ++hh)
+    for (int r = 0; r < rows; ++r) {
+      const size_t hr = static_cast<size_t>(hh) * rows + r;
+      float mx = kNegInf;
+      for (int j = 0; j < n_slots; ++j) mx = std::max(mx, c.partial[((first_slot + j) * c.partial_rows + hr) * (d + 2) + d]);
+      float l = 0.f;
+      float acc[256] = {0.f};
+      for (int j = 0; j < n_slots; ++j) {
+        const float* src = c.partial + ((first_slot + j) * c.partial_rows + hr) * (d + 2);
+        if (src[d] == kNegInf) continue;
+        const float f = std::exp(src[d] - mx);
+        l += f * src[d + 1];
+        for (int i = 0; i < d; ++i) acc[i] += f * src[i];
+      }
+      Q* dst = c.out + (first + it.q0 + r / group) * c.os[0] + (static_cast<int64_t>(it.h0 + hh) * group + r % group) * c.os[1];
+      for (int i = 0; i < d; ++i) dst[i] = static_cast<Q>(acc[i] / l);
     }
 }
 
 template <typename Q, typename KV>
-void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-         const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-         const at::Tensor& query_start_loc, double scale, int64_t max_query_len) {
+void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+         const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+         const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale, int64_t skip_prefill_from) {
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t num_kv_heads = key_cache.size(2);
-  const int group = static_cast<int>(query.size(1) / num_kv_heads);
-  const int d = static_cast<int>(query.size(2));
-  const int block_size = static_cast<int>(key_cache.size(1));
+  Call<Q, KV> c;
+  c.group = static_cast<int>(query.size(1) / num_kv_heads);
+  c.d = static_cast<int>(query.size(2));
+  c.block_size = static_cast<int>(key_cache.size(1));
+  c.partition = std::max(1, kPartitionKeys / c.block_size) * c.block_size;
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
-  // The items this call owns: sequences with 1 .. max_query_len new tokens. With enough of them
-  // for every thread, one item reads all KV heads of a sequence (each block one contiguous
-  // range of memory); otherwise one item per KV head, so a small batch still uses every thread.
-  std::vector<int64_t> seqs;
+  const int64_t* sl = seq_lens.data_ptr<int64_t>();
+  // Tiles: (sequence, queries q0 .. q1) of the sequences this call attends.
+  const int tile_q = std::max(1, kTileRows / c.group);
+  struct Tile { int64_t b; int32_t q0, q1; };
+  std::vector<Tile> tiles;
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t q = qsl[b + 1] - qsl[b];
-    if (q >= 1 && q <= max_query_len) seqs.push_back(b);
+    if (q < 1 || (skip_prefill_from > 0 && q >= skip_prefill_from && sl[b] == q)) continue;
+    for (int64_t q0 = 0; q0 < q; q0 += tile_q) {
+      tiles.push_back({b, static_cast<int32_t>(q0), static_cast<int32_t>(std::min<int64_t>(q, q0 + tile_q))});
+    }
   }
+  if (tiles.empty()) return;
   const int64_t threads = at::get_num_threads();
-  const bool whole = static_cast<int64_t>(seqs.size()) >= 2 * threads;
+  // With enough tiles for every thread, one item reads all KV heads of a tile (each block one
+  // contiguous range); otherwise one item per KV head, and a long sequence's keys split over
+  // several items (split-K) until every thread has about two items.
+  const bool whole = static_cast<int64_t>(tiles.size()) >= 2 * threads;
+  const int64_t per_tile = whole ? 1 : num_kv_heads;
+  const int64_t base_items = static_cast<int64_t>(tiles.size()) * per_tile;
+  const int64_t want = 2 * threads;
   std::vector<Item> items;
-  items.reserve(seqs.size() * num_kv_heads);
-  for (int64_t b : seqs) {
-    if (whole) items.push_back({b, 0, num_kv_heads});
-    else
-      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({b, h, 1});
+  struct Split { Item tile; int64_t first_slot; int n; };
+  std::vector<Split> splits;
+  int64_t slots = 0;
+  int rows_max = 0;
+  for (const Tile& t : tiles) {
+    const int64_t k_end = sl[t.b] - (qsl[t.b + 1] - qsl[t.b]) + t.q1;
+    const int64_t parts = (k_end + c.partition - 1) / c.partition;
+    int n_split = 1;
+    if (base_items < want && parts > 1)
+      n_split = static_cast<int>(std::min<int64_t>(parts, (want + base_items - 1) / base_items));
+    for (int64_t h = 0; h < num_kv_heads; h += whole ? num_kv_heads : 1) {
+      Item it{t.b, static_cast<int32_t>(h), static_cast<int32_t>(whole ? num_kv_heads : 1), t.q0, t.q1, 0, -1, -1};
+      if (n_split == 1) {
+        items.push_back(it);
+        continue;
+      }
+      const int64_t per = (parts + n_split - 1) / n_split * c.partition;   // whole partitions per split
+      int n = 0;
+      for (int64_t k0 = 0; k0 < k_end; k0 += per, ++n) {
+        Item part = it;
+        part.k0 = k0;
+        part.k1 = std::min(k_end, k0 + per);
+        part.slot = slots + n;
+        items.push_back(part);
+      }
+      splits.push_back({it, slots, n});
+      slots += n;
+      rows_max = std::max(rows_max, (t.q1 - t.q0) * c.group * it.nh);
+    }
   }
+  std::vector<float> partial(static_cast<size_t>(slots) * rows_max * (c.d + 2));
+  c.partial = partial.data();
+  c.partial_rows = rows_max;
+  c.query = query.data_ptr<Q>();
+  c.q_tok = query.stride(0);
+  c.q_head = query.stride(1);
+  c.key_cache = reinterpret_cast<const KV*>(key_cache.data_ptr());
+  c.value_cache = reinterpret_cast<const KV*>(value_cache.data_ptr());
+  for (int i = 0; i < 3; ++i) c.cs[i] = key_cache.stride(i);
+  c.block_tables = block_tables.data_ptr<int64_t>();
+  c.bt_stride = block_tables.stride(0);
+  c.seq_lens = sl;
+  c.query_start_loc = qsl;
+  c.out = out.data_ptr<Q>();
+  c.os[0] = out.stride(0);
+  c.os[1] = out.stride(1);
+  c.scale = static_cast<float>(scale);
+  c.k_scale = k_scale ? k_scale->data_ptr<float>() : nullptr;
+  c.v_scale = v_scale ? v_scale->data_ptr<float>() : nullptr;
+  c.scale_heads = k_scale ? k_scale->numel() : 1;
   const int64_t n_items = static_cast<int64_t>(items.size());
-  if (n_items == 0) return;
-  const int64_t cs[3] = {key_cache.stride(0), key_cache.stride(1), key_cache.stride(2)};
-  const int64_t os[2] = {out.stride(0), out.stride(1)};
-  const Q* qp = query.data_ptr<Q>();
-  const KV* kp = key_cache.data_ptr<KV>();
-  const KV* vp = value_cache.data_ptr<KV>();
-  Q* op = out.data_ptr<Q>();
-  const int64_t* bt = block_tables.data_ptr<int64_t>();
-  const int64_t* sl = seq_lens.data_ptr<int64_t>();
-  const int64_t q_tok = query.stride(0), q_head = query.stride(1);
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(threads, n_items);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch w;
-    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1))
-      attend_item<Q, KV>(items[i], qp, q_tok, q_head, kp, vp, cs, bt, block_tables.stride(0), sl, qsl, op, os,
-                         group, d, block_size, static_cast<float>(scale), w);
+    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) attend_item<Q, KV>(items[i], c, w);
   });
+  for (const Split& s : splits) merge_partials<Q, KV>(s.tile, s.first_slot, s.n, c);
 }
 
-// out [T, Hq, D] (query's dtype) <- attention of the rows of every sequence with 1..max_query_len new
-// tokens; other rows of out are left untouched. query [T, Hq, D] (last dim contiguous),
-// key_cache/value_cache [num_blocks, block_size, Hkv, D] (last dim contiguous, same strides),
-// block_tables [B, max_blocks] int64, seq_lens [B] int64 (context after this forward),
-// query_start_loc [B + 1] int64.
-void paged_attention_short(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                           const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                           const at::Tensor& query_start_loc, double scale, int64_t max_query_len) {
+void check(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+           const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [T, Hq, D] of one shape");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() &&
                   key_cache.strides() == value_cache.strides(),
               "key_cache/value_cache must be [num_blocks, block_size, Hkv, D] with equal strides");
   TORCH_CHECK(query.size(2) == key_cache.size(3) && query.size(1) % key_cache.size(2) == 0,
               "head_dim must match and num_heads be a multiple of num_kv_heads");
+  TORCH_CHECK(query.size(2) <= 256, "head_dim must be at most 256");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1,
               "the head_dim axis must be contiguous");
   TORCH_CHECK(out.scalar_type() == query.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
@@ -453,13 +616,45 @@ void paged_attention_short(at::Tensor& out, const at::Tensor& query, const at::T
   for (const auto* t : {&block_tables, &seq_lens, &query_start_loc})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "metadata must be contiguous int64");
   TORCH_CHECK(block_tables.stride(1) == 1, "block_tables rows must be contiguous");
-  // fp32, bf16, fp16 only (a double dispatch over every float type doubles the build time).
+  TORCH_CHECK(query_start_loc.numel() == seq_lens.numel() + 1 && block_tables.size(0) == seq_lens.numel(),
+              "query_start_loc must be [B + 1] and block_tables [B, max_blocks] for seq_lens [B]");
+  const bool fp8 = key_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 == (k_scale.has_value() && v_scale.has_value()) && k_scale.has_value() == v_scale.has_value(),
+              fp8 ? "an FP8 E4M3 cache needs k_scale and v_scale" : "k_scale/v_scale are for an FP8 E4M3 cache only");
+  if (fp8) {
+    const int64_t hkv = key_cache.size(2);
+    for (const auto* s : {&*k_scale, &*v_scale})
+      TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && (s->numel() == 1 || s->numel() == hkv),
+                  "k_scale/v_scale must be contiguous float32 of 1 or num_kv_heads elements");
+    TORCH_CHECK(k_scale->numel() == v_scale->numel(), "k_scale and v_scale must have one shape");
+  }
+}
+
+// out [T, Hq, D] (query's dtype) <- attention of every sequence's new tokens, each query over its
+// sequence's keys up to its own position (causal); skip_prefill_from > 0: a chunk that starts at
+// position 0 with at least that many tokens is left to the caller (its rows of out untouched). query [T, Hq, D] (last dim contiguous); key_cache/value_cache
+// [num_blocks, block_size, Hkv, D] (last dim contiguous, same strides) in fp32, bf16, fp16 or
+// float8_e4m3fn (then k_scale/v_scale: fp32 [1] or [Hkv], the cache holding x / scale);
+// block_tables [B, max_blocks] int64, seq_lens [B] int64 (context after this forward),
+// query_start_loc [B + 1] int64.
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, double scale, const std::optional<at::Tensor>& k_scale,
+                     const std::optional<at::Tensor>& v_scale, int64_t skip_prefill_from) {
+  check(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale);
+  // fp32, bf16, fp16 queries x fp32, bf16, fp16, e4m3 caches (a dispatch over every float type
+  // doubles the build time).
   auto with_kv = [&](auto q_tag) {
     using Q = decltype(q_tag);
+    auto go = [&](auto kv_tag) {
+      run<Q, decltype(kv_tag)>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                               k_scale, v_scale, skip_prefill_from);
+    };
     switch (key_cache.scalar_type()) {
-      case at::kFloat: return run<Q, float>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len);
-      case at::kBFloat16: return run<Q, at::BFloat16>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len);
-      case at::kHalf: return run<Q, at::Half>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len);
+      case at::kFloat: return go(float{});
+      case at::kBFloat16: return go(at::BFloat16{});
+      case at::kHalf: return go(at::Half{});
+      case at::kFloat8_e4m3fn: return go(at::Float8_e4m3fn{});
       default: TORCH_CHECK(false, "unsupported KV cache dtype ", key_cache.scalar_type());
     }
   };
@@ -474,8 +669,9 @@ void paged_attention_short(at::Tensor& out, const at::Tensor& query, const at::T
 }  // namespace
 
 TORCH_LIBRARY(pdserve_attn, m) {
-  m.def("paged_attention_short(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int max_query_len) -> ()");
+  m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, Tensor? k_scale, "
+        "Tensor? v_scale, int skip_prefill_from) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pdserve_attn, CPU, m) { m.impl("paged_attention_short", &paged_attention_short); }
+TORCH_LIBRARY_IMPL(pdserve_attn, CPU, m) { m.impl("paged_attention", &paged_attention); }

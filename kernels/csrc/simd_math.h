@@ -21,6 +21,18 @@ inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// 16 E4M3 bytes (sign, 4 exponent bits with bias 7, 3 mantissa bits; no infinity) as fp32,
+// exactly: the 7 magnitude bits moved into fp16's exponent/mantissa fields give an fp16 of the
+// same mantissa whose exponent bias is 15 instead of 7 (subnormals included, F16C converts them
+// exactly), so the value is that fp16 times 2^8. NaN (0x7F/0xFF) reads as 480; the writers
+// saturate at 448 and never store it.
+inline __m512 load16(const at::Float8_e4m3fn* p) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+  const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7);
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, mag)), _mm512_set1_ps(256.0f));
+}
+
 // exp(x) for x <= 0 (softmax scores minus their running max, -|x| of a sigmoid):
 // 2^n * P(r), n = round(x / ln2), r = x - n ln2 (ln2 split in two parts, Cody-Waite),
 // |r| <= ln2/2, P the degree-6 Taylor polynomial (relative error ~2e-7); x below -87 gives ~0.
