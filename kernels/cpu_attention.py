@@ -169,13 +169,24 @@ class CpuAttention:
     # Every row is attended by the kernel, in place: no reference groups are needed.
     metadata_groups = "none"
     supports_kv_scales = True    # FP8 E4M3 caches with k_scale/v_scale (read by engine.model_runner)
-    write_kv_cache = staticmethod(torch_ref.write_kv_cache)
 
     def __init__(self) -> None:
         op, reason = load_extension()
         if op is None:
             raise RuntimeError(f"the cpu attention kernel is unavailable: {reason}")
         self._op = op
+        self._write = torch.ops.pdserve_attn.write_kv_cache
+
+    def write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor | float | None = None,
+                       v_scale: torch.Tensor | float | None = None) -> None:
+        """key/value [T, Hkv, D] -> the caches at slot_mapping [T], in one C++ pass (csrc/kv_cache_write.cpp);
+        the same bytes as torch_ref.write_kv_cache, FP8 E4M3 included. Layouts the op does not take
+        (a token's [Hkv, D] not contiguous) go through the reference. Raises ValueError as the reference does."""
+        k_scale, v_scale = _scales(key_cache, k_scale, v_scale)
+        if not (_rows_contiguous(key) and _rows_contiguous(value)):
+            return torch_ref.write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+        self._write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
     def paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | float | None = None,
@@ -205,6 +216,10 @@ def _scales(cache: torch.Tensor, k_scale, v_scale) -> tuple[torch.Tensor | None,
     if k_scale is None or v_scale is None:
         raise ValueError("an FP8 E4M3 KV cache needs k_scale and v_scale")
     return _fp32_vector(k_scale), _fp32_vector(v_scale)
+
+
+def _rows_contiguous(x: torch.Tensor) -> bool:
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def _fp32_vector(scale: torch.Tensor | float) -> torch.Tensor:

@@ -201,3 +201,31 @@ def test_the_build_key_covers_every_source_and_header(monkeypatch, tmp_path):
     before = cpu_attention._stamp()
     header.write_text(header.read_text() + "// an edit\n")
     assert cpu_attention._stamp() != before   # a header edit is a new build, never a stale one
+
+
+@pytest.mark.parametrize("x_dtype,cache_dtype,scales", [
+    (torch.bfloat16, torch.bfloat16, None), (torch.float32, torch.float32, None),
+    (torch.float32, torch.bfloat16, None),               # converted as torch casts (round to nearest even)
+    (torch.bfloat16, torch.float8_e4m3fn, "head"), (torch.float32, torch.float8_e4m3fn, "layer")])
+def test_the_kv_write_stores_the_reference_bytes(cpu, x_dtype, cache_dtype, scales):
+    from kernels.torch_ref import write_kv_cache
+
+    gen = torch.Generator().manual_seed(3)
+    tokens, kv_heads, d = 37, 3, 64
+    # normal values, E4M3 subnormals (|x / scale| < 2^-6), values that saturate at 448, signed zeros
+    k = torch.randn(tokens, kv_heads, d, generator=gen) * torch.tensor([0.05, 1.0, 40.0]).view(1, 3, 1)
+    k[0, 0, :4] = torch.tensor([0.0, -0.0, 1e-6, -1e-6])
+    v = torch.randn(tokens, kv_heads, d, generator=gen)
+    k, v = k.to(x_dtype), v.to(x_dtype)
+    ks = vs = None
+    if scales is not None:
+        ks = torch.tensor([0.01, 0.02, 0.05]) if scales == "head" else torch.tensor([0.03])
+        vs = ks * 0.5
+    slots = torch.randperm(NUM_BLOCKS * 16, generator=gen)[:tokens]
+    caches = [torch.zeros(NUM_BLOCKS, 16, kv_heads, d, dtype=cache_dtype) for _ in range(4)]
+    write_kv_cache(k, v, caches[0], caches[1], slots, ks, vs)
+    cpu.write_kv_cache(k, v, caches[2], caches[3], slots, ks, vs)
+    assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
+    assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu.write_kv_cache(k[:1], v[:1], caches[2], caches[3], torch.tensor([NUM_BLOCKS * 16]), ks, vs)
