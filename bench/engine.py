@@ -65,12 +65,17 @@ def command(
           f"{platform.torch_cpu_capability()}; load {load_before}", flush=True)
     runners, tokens = _load_runners(model, names, prompt_tokens, context, max(sizes), repeats)
     hf = _load_transformers(runners) if vs_transformers else None
+    from kernels.linear import kernel_summary
+
+    for n, r in runners.items():   # chosen at load, by timing (kernels.linear); per bucket of 1/16/512 rows
+        print(f"linear kernels ({_SHORT.get(n, n)}; 1/16/512 rows): {kernel_summary(r.model)}", flush=True)
     first = next(iter(runners.values()))
     cfg = first.model_config
     result = {
         "model": cfg.name, "machine": _machine(), "load_before": load_before,
         "attention_backend": getattr(first.ops, "name", type(first.ops).__name__),
         "weight_bytes": {n: _weight_bytes(r) for n, r in runners.items()},
+        "linear_kernels": {n: kernel_summary(r.model) for n, r in runners.items()},
         "timing": "wall clock, best of repeats, dtypes alternating",
         "runs": [],
     }
@@ -200,20 +205,23 @@ def _load_transformers(runners):
 
 
 def _weight_bytes(runner) -> int:
-    """Bytes of the weights one decode step reads: the decoder layers' tensors (the linear methods'
-    buffers included: after load they are buffers, not parameters), the final norm and the LM head
-    (its method's tensors; the embedding table only as a tied head), each tensor counted once."""
+    """Bytes of the weights one decode step reads: the decoder layers' tensors, the final norm and
+    the LM head, each counted once; a linear method counts the weight it reads in its stored
+    format (``MeasuredLinear.weight_bytes``: N x K values, not the packed copies its kernels keep);
+    the embedding table only as a tied head without a method."""
+    from kernels.linear import MeasuredLinear
+
     m = runner.model
-    mods = [m.model.layers, m.model.norm]
-    if m.head_method is not None:
-        mods.append(m.head_method)
-    tensors = [t for mod in mods for t in (*mod.parameters(), *mod.buffers())]
+    mods = [m.model.layers, m.model.norm] + ([m.head_method] if m.head_method is not None else [])
+    linears = [mod for root in mods for mod in root.modules() if isinstance(mod, MeasuredLinear)]
+    inside = {id(t) for lin in linears for t in (*lin.parameters(), *lin.buffers())}
+    tensors = [t for mod in mods for t in (*mod.parameters(), *mod.buffers()) if id(t) not in inside]
     if m.head_method is None:
         tensors.append(m.model.embed_tokens.weight if m.lm_head is None else m.lm_head.weight)
     seen: dict[int, int] = {}
     for t in tensors:
         seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
-    return sum(seen.values())
+    return sum(seen.values()) + sum(lin.weight_bytes() for lin in linears)
 
 
 def _linear_params(cfg) -> int:

@@ -27,6 +27,7 @@ from engine.quantization.kv_scales import CALIBRATION_TEXT, KVScales, load_or_ca
 from engine.models.llama import LlamaForCausalLM
 from kernels.attention import AttentionMetadata, get_attention_backend
 from kernels.layer_ops import get_layer_ops
+from kernels.linear import kernel_summary, release_freed_memory
 
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
 
@@ -73,6 +74,8 @@ class ModelRunner:
         # records each linear's input range (SmoothQuant factors, W8A16 for spiky inputs).
         act_amax = self._calibrate_activations() if quantization == "int8" else None
         apply_quantization(self.model, quantization, fp8_weights=self.model.fp8_checkpoint, act_amax=act_amax)
+        log.info("linear kernels (1/16/512 rows): %s", kernel_summary(self.model))
+        release_freed_memory()   # the weight copies no chosen kernel reads (kernels/linear.py)
         cfg = self.model_config
         cache_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8_e4m3" else dtype
         self.kv_scales: KVScales | None = None

@@ -5,14 +5,16 @@ Every method is an ``nn.Module`` taking ``x [..., in_features]`` in the model dt
 more *kernels* (ways to compute the product from that format); at construction it times every
 kernel on this machine at three token counts (``BUCKETS``: decode at batch 1, decode at batch 16,
 a 512-token prefill chunk) and keeps the fastest for each, so a forward of ``M`` rows runs the
-kernel chosen for the bucket ``M`` falls in. Timings are cached per (method, shape, dtype,
-threads), so 30 layers of one shape are measured once.
+kernel chosen for the bucket ``M`` falls in. The decode buckets are timed on weights pushed out
+of cache first, as a decode step finds them. Timings are cached per (method, shape, dtype,
+threads), so 30 layers of one shape are measured once; ``kernel_summary`` names the choices.
 
 - ``DenseLinear`` (``--quantization none``): the model dtype. Kernels: ``F.linear``; oneDNN with
   the weight prepacked once (``torch.ops.mkldnn._linear_pointwise``, bf16/fp16); MKL prepacked
-  (``torch.ops.mkl._mkl_linear``, fp32); for bf16 on CPUs with AVX512-BF16, our small-batch kernel
-  (kernels/csrc/small_gemm.cpp, weight packed into 16-column tiles; up to ``SMALL_GEMM_MAX_ROWS``
-  rows, oneDNN beyond), which streams weights that are not in cache faster than oneDNN does.
+  (``torch.ops.mkl._mkl_linear``, fp32); for bf16 on CPUs with AVX512-BF16, our kernel
+  (kernels/csrc/small_gemm.cpp, weight packed into 16-column tiles), which overlaps the stream of
+  weights that are not in cache with compute, where oneDNN adds the two (1-64 rows). Only the
+  chosen kernels' weight copies are kept.
 - ``Int8Linear`` (``int8``): per-output-channel symmetric int8 weights, ``q = round(W / s)``,
   ``s = amax(|W_row|) / 127``. Kernels: W8A16 ``torch._weight_int8pack_mm`` (activations stay in
   the model dtype); W8A8 with activations quantized dynamically per token (``s_x = amax(|x_row|) /
@@ -52,6 +54,37 @@ def bucket_index(num_rows: int) -> int:
     return 0 if num_rows <= 4 else 1 if num_rows <= 128 else 2
 
 
+def kernel_summary(model: nn.Module) -> str:
+    """One line naming the kernels chosen per linear shape of ``model`` (1/16/512 rows), e.g.
+    "none 960x576: small_gemm/small_gemm/onednn_packed (x30); ..." (for start-up logs and benchmarks)."""
+    seen: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, MeasuredLinear):
+            key = (f"{module.method} {module.out_features}x{module.in_features}: "
+                   f"{'/'.join(module.kernel_names)}")
+            seen[key] = seen.get(key, 0) + 1
+    return "; ".join(f"{k} (x{n})" if n > 1 else k for k, n in seen.items())
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc ``malloc_trim``; nothing elsewhere).
+
+    After the linears are built, the weight copies no chosen kernel reads (the plain weights,
+    the unchosen packings) are freed, but glibc keeps freed blocks below its mmap threshold
+    (which grows to 32 MiB after large frees) in the heap: without this a worker's resident
+    memory keeps them (about 230 MB for the bundled model in bf16)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        pass
+
+
 class MeasuredLinear(nn.Module):
     """Base of the linear methods: candidate kernels, timed once, the fastest per bucket kept.
 
@@ -62,18 +95,29 @@ class MeasuredLinear(nn.Module):
     method = ""
 
     def _choose(self, kernels: dict[str, Kernel], dtype: torch.dtype, device: torch.device,
-                preferred: tuple[str, str, str] | None = None) -> None:
+                preferred: tuple[str, str, str] | None = None, decode_only: bool = False) -> None:
         """Time ``kernels`` per bucket; ``preferred``: the kernel per bucket that wins on a quiet
-        machine of this kind, kept unless another measures clearly (1.25x) faster."""
-        self._kernels = kernels
+        machine of this kind, kept unless another measures clearly (1.25x) faster. decode_only:
+        the linear sees prefill-sized row counts rarely if ever (the LM head: one row per
+        sequence), so the last bucket takes the middle bucket's kernel, untimed.
+
+        Only the chosen kernels are kept (with the weight copies they read); ``run_kernel``
+        rebuilds any other from ``_candidates()`` when asked (tests, bench quant)."""
         key = (self.method, self.out_features, self.in_features, dtype, device.type, torch.get_num_threads(),
-               tuple(kernels))
+               tuple(kernels), decode_only)
         if key not in _choice_cache:
-            _choice_cache[key] = tuple(
-                _fastest(kernels, self.in_features, dtype, device, m, None if preferred is None else preferred[i])
-                for i, m in enumerate(BUCKETS))
+            evict = _cache_evictor(device)
+            names = [_fastest(kernels, self.in_features, dtype, device, m, None if preferred is None else preferred[i],
+                              evict=evict if m <= COLD_MAX_ROWS else None)
+                     for i, m in enumerate(BUCKETS[:-1] if decode_only else BUCKETS)]
+            _choice_cache[key] = tuple(names + names[-1:] if decode_only else names)
         self.kernel_names: tuple[str, str, str] = _choice_cache[key]
-        self._chosen = tuple(kernels[name] for name in self.kernel_names)
+        self._kernel_choices = tuple(kernels)
+        self._kernels = {name: kernels[name] for name in self.kernel_names}
+        self._chosen = tuple(self._kernels[name] for name in self.kernel_names)
+
+    def _candidates(self) -> dict[str, Kernel]:
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -83,29 +127,44 @@ class MeasuredLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def run_kernel(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """One named kernel on x [M, K] (tests compare every kernel, not only the chosen ones)."""
-        y = self._kernels[name](x)
+        """One named kernel of ``kernel_choices`` on x [M, K] (tests compare every kernel, not only
+        the chosen ones; an unchosen one is rebuilt for the call, with its weight copy)."""
+        kernel = self._kernels.get(name) or self._candidates()[name]
+        y = kernel(x)
         return y if self.bias is None else y + self.bias
 
     @property
     def kernel_choices(self) -> tuple[str, ...]:
-        return tuple(self._kernels)
+        """Every kernel that was timed (the chosen ones are ``kernel_names``)."""
+        return self._kernel_choices
+
+    def weight_bytes(self) -> int:
+        """Bytes of weight one forward reads (its buffers: the stored format's values and scales)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"kernels(1/16/512 rows)={'/'.join(self.kernel_names)}")
 
 
+COLD_MAX_ROWS = 128
+"""Buckets up to these rows are timed on weights out of cache (a decode step streams every weight
+from DRAM: the model's 270 MB pass through a 32 MB L3 each step); prefill reuses each weight
+across its rows, so its bucket is timed hot."""
+
+
 def _fastest(kernels: dict[str, Kernel], in_features: int, dtype: torch.dtype, device: torch.device,
-             rows: int, preferred: str | None = None, rounds: int = 3, budget_s: float = 0.002) -> str:
+             rows: int, preferred: str | None = None, rounds: int = 3, budget_s: float = 0.002,
+             evict: Callable[[], None] | None = None) -> str:
     """The kernel with the least best-of-``rounds`` time on a random [rows, in_features] input.
 
     One warm-up call each (which also checks the kernel runs here: one that raises is never
     chosen); kernels over 3x slower than the fastest warm-up are dropped (CPU ``_scaled_mm`` is
     ~30x slower than bf16); the rest are timed round-robin, each round about ``budget_s`` per
     kernel, and each keeps its minimum, which other processes on a busy machine inflate least.
-    On a machine loaded several times over its cores even minima flip, so ``preferred`` (if it
-    runs here) is kept unless another kernel is 1.25x faster.
+    evict: called before every timed call (one call per round then): the time of a kernel on a
+    weight that is not in cache. On a machine loaded several times over its cores even minima
+    flip, so ``preferred`` (if it runs here) is kept unless another kernel is 1.25x faster.
     """
     if len(kernels) == 1:
         return next(iter(kernels))
@@ -114,24 +173,27 @@ def _fastest(kernels: dict[str, Kernel], in_features: int, dtype: torch.dtype, d
     with torch.inference_mode():
         for name, kernel in kernels.items():
             try:
-                best[name] = _time(kernel, x, 1, device)
+                best[name] = _time(kernel, x, 1, device, evict)
             except (RuntimeError, NotImplementedError):
                 continue
         if not best:
             raise RuntimeError(f"no linear kernel runs here for {dtype} on {device}: tried {list(kernels)}")
         fastest = min(best.values())
         best = {name: t for name, t in best.items() if t <= 3 * fastest}
-        reps = max(1, min(10, int(budget_s / max(fastest, 1e-6))))
-        for _ in range(rounds):
+        reps = 1 if evict is not None else max(1, min(10, int(budget_s / max(fastest, 1e-6))))
+        for _ in range(rounds if evict is None else rounds + 2):   # one call a round: a few more
             for name in best:
-                best[name] = min(best[name], _time(kernels[name], x, reps, device))
+                best[name] = min(best[name], _time(kernels[name], x, reps, device, evict))
     winner = min(best, key=best.__getitem__)
     if preferred in best and best[winner] * 1.25 > best[preferred]:
         return preferred
     return winner
 
 
-def _time(kernel: Kernel, x: torch.Tensor, reps: int, device: torch.device) -> float:
+def _time(kernel: Kernel, x: torch.Tensor, reps: int, device: torch.device,
+          evict: Callable[[], None] | None = None) -> float:
+    if evict is not None:
+        evict()
     t0 = time.perf_counter()
     for _ in range(reps):
         kernel(x)
@@ -140,23 +202,65 @@ def _time(kernel: Kernel, x: torch.Tensor, reps: int, device: torch.device) -> f
     return (time.perf_counter() - t0) / reps
 
 
+def _cache_evictor(device: torch.device) -> Callable[[], None] | None:
+    """A function that pushes every weight out of this CPU's caches (it writes a scratch buffer
+    1.5x the last-level cache; the buffer lives as long as the function), or None off CPU."""
+    if device.type != "cpu":
+        return None
+    scratch = torch.empty(int(1.5 * _last_level_cache_bytes()) // 4)
+    return lambda: scratch.fill_(1.0)
+
+
+def _last_level_cache_bytes(default: int = 32 * 2**20) -> int:
+    """The largest CPU cache (sysfs ``.../cpu0/cache/index*/size``, e.g. "32768K"), or ``default``."""
+    import glob
+
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            text = open(path).read().strip().upper()
+            sizes.append(int(text[:-1]) * {"K": 2**10, "M": 2**20}[text[-1]] if text[-1] in "KM" else int(text))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=default)
+
+
 # -- the model dtype ------------------------------------------------------------------------------
 class DenseLinear(MeasuredLinear):
-    """The unquantized linear: weight [N, K] in the model dtype, the fastest kernel measured."""
+    """The unquantized linear: weight [N, K] in the model dtype, the fastest kernel measured.
+
+    Only the chosen kernels' weight copies are kept: the plain weight (``self.weight``) only where
+    ``F.linear`` was chosen for some bucket, else None; ``dense_weight()`` gives it back from a
+    packed copy.
+    """
 
     method = "none"
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, decode_only: bool = False) -> None:
+        """decode_only: see MeasuredLinear._choose (the LM head: one kernel, one weight copy, fewer)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight", weight.detach(), persistent=False)
+        self.dtype = weight.dtype
         self.bias = None if bias is None else bias.detach()
-        # Quiet-machine winners (Zen 5, AVX512-BF16): oneDNN prepacked 1.4-1.6x F.linear at 1-16 rows.
-        half = weight.dtype in (torch.bfloat16, torch.float16) and weight.device.type == "cpu"
-        self._choose(self._candidates(), weight.dtype, weight.device, ("onednn_packed",) * 3 if half else None)
+        self._packed: dict[str, torch.Tensor] = {}   # kernel name -> the weight copy it reads (kept ones)
+        kernels = self._candidates(weight.detach())
+        # Quiet-machine winners (Zen 5, AVX512-BF16): our small_gemm at 1-64 rows on weights out of
+        # cache (1.3-1.7x oneDNN at 1-16 rows), oneDNN prepacked for prefill (1.4-1.6x F.linear).
+        preferred = None
+        if "onednn_packed" in kernels:
+            small = "small_gemm" if "small_gemm" in kernels else "onednn_packed"
+            preferred = (small, small, "onednn_packed")
+        self._choose(kernels, weight.dtype, weight.device, preferred, decode_only)
+        self._packed = {name: t for name, t in self._packed.items() if name in self.kernel_names}
+        reads_plain = {"F.linear", "mkl_packed"} & set(self.kernel_names)   # (MKL's fp32 kernel takes both)
+        self.register_buffer("weight", weight.detach() if reads_plain else None, persistent=False)
 
-    def _candidates(self) -> dict[str, Kernel]:
-        w = self.weight
+    def _candidates(self, w: torch.Tensor | None = None) -> dict[str, Kernel]:
+        """Every kernel for weight w [N, K]; with w given (at construction) the packed copies each
+        reads are recorded in ``self._packed``; without, they are built from ``dense_weight()``
+        for one call of ``run_kernel`` and not kept."""
+        record, w = w is not None, self.dense_weight() if w is None else w
+        packed_copies: dict[str, torch.Tensor] = {}
         kernels: dict[str, Kernel] = {"F.linear": lambda x: F.linear(x, w)}
         if w.device.type != "cpu":
             return kernels
@@ -164,23 +268,43 @@ class DenseLinear(MeasuredLinear):
             try:  # oneDNN's blocked weight layout, packed once (the batch-size hint only tunes the packing)
                 packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
                 kernels["onednn_packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+                packed_copies["onednn_packed"] = packed
             except (RuntimeError, AttributeError):
                 pass
         small = _small_gemm_kernel(w)
-        if small is not None and "onednn_packed" in kernels:
-            large = kernels["onednn_packed"]
-            kernels["small_gemm"] = lambda x: small(x) if x.shape[0] <= SMALL_GEMM_MAX_ROWS else large(x)
+        if small is not None:
+            kernels["small_gemm"] = small
+            packed_copies["small_gemm"] = small.packed
         if w.dtype == torch.float32 and torch.backends.mkl.is_available():
             try:
                 packed32 = torch.ops.mkl._mkl_reorder_linear_weight(w, 1)
                 kernels["mkl_packed"] = lambda x: torch.ops.mkl._mkl_linear(x, packed32, w, None, x.shape[0])
+                packed_copies["mkl_packed"] = packed32
             except (RuntimeError, AttributeError):
                 pass
+        if record:
+            self._packed = packed_copies
         return kernels
 
+    def dense_weight(self) -> torch.Tensor:
+        """[N, K] in the model dtype: the plain weight, or one unpacked from a kept copy."""
+        if self.weight is not None:
+            return self.weight
+        if "small_gemm" in self._packed:
+            return unpack_small_gemm(self._packed["small_gemm"], self.out_features)
+        if "onednn_packed" in self._packed:
+            return self._packed["onednn_packed"].to_dense()
+        raise RuntimeError("DenseLinear keeps no copy of its weight")   # unreachable: some kernel was chosen
 
-SMALL_GEMM_MAX_ROWS = 32
-"""Rows up to which the ``small_gemm`` kernel runs its own code (beyond: oneDNN's GEMM)."""
+    def weight_bytes(self) -> int:
+        """Bytes of weight one forward reads: N x K values in the model dtype (and the bias)."""
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self.out_features * self.in_features * self.dtype.itemsize + bias
+
+    def resident_bytes(self) -> int:
+        """Bytes this linear's kept weight copies occupy (the plain weight and packed copies)."""
+        plain = 0 if self.weight is None else self.weight.numel() * self.weight.element_size()
+        return plain + sum(t.numel() * t.element_size() for t in self._packed.values())
 
 
 def pack_small_gemm(weight: torch.Tensor) -> torch.Tensor:
@@ -192,9 +316,17 @@ def pack_small_gemm(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def unpack_small_gemm(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack_small_gemm: [ceil(N/16), K/2, 16, 2] -> [n, K]."""
+    tiles, k2 = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(tiles * 16, 2 * k2)[:n].contiguous()
+
+
 def _small_gemm_kernel(w: torch.Tensor) -> Kernel | None:
-    """The small-batch bf16 kernel for weight w [N, K], or None where it does not apply (not a
-    bf16 CPU weight, K odd, no AVX512-BF16 build of the kernel library)."""
+    """The bf16 kernel of kernels/csrc/small_gemm.cpp for weight w [N, K] (any number of rows;
+    written for 1-64, where it overlaps the weight stream with compute), or None where it does not
+    apply (not a bf16 CPU weight, K odd, no AVX512-BF16 build of the kernel library). The
+    returned function's ``packed`` attribute is the packed weight it reads."""
     if w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.shape[1] % 2:
         return None
     from kernels.cpu_attention import load_extension
@@ -210,6 +342,7 @@ def _small_gemm_kernel(w: torch.Tensor) -> Kernel | None:
         op(out, x, packed, n)
         return out
 
+    small.packed = packed  # type: ignore[attr-defined]
     return small
 
 

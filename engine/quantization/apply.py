@@ -89,7 +89,7 @@ def apply_quantization(model: nn.Module, method: str, fp8_weights: dict[str, Fp8
         plan = plan_input(act_amax.get(HEAD_NAME), head)
         model.head_method = Int8Linear(head, None, plan.smooth, plan.w8a8)
     else:
-        model.head_method = DenseLinear(head, None)
+        model.head_method = DenseLinear(head, None, decode_only=True)   # logits: one row per sequence
     return replaced
 
 
