@@ -18,7 +18,7 @@ Goals (issue 14), each reported with its figure:
   leaked blocks == 0    used + held blocks and leases on every worker after the load, once idle
   RSS flat within 10%   per process instance, its last sample vs its first after its own warm-up
                         (which starts when the instance is first seen: restarted workers load
-                        first; instances that lived at least half the run after warm-up)
+                        first; instances that lived half the run or a kill interval after it)
   p99 TTFT during a kill <= 3x steady   TTFT of requests sent within KILL_WINDOW_S after a kill
                         vs all other requests sent after warm-up
 Writes soak.json (config, events, samples, per-request records, goals) and rss.png, kv_blocks.png,
@@ -138,7 +138,9 @@ def goals(run: SoakRun) -> dict[str, Any]:
 
 def rss_drift(run: SoakRun) -> dict[str, float]:
     """Per process instance: % change from its first sample after its own warm-up to its last
-    sample, for instances that lived at least half the post-warm-up run after their warm-up.
+    sample, for instances that lived, after their warm-up, at least half the post-warm-up run or
+    one kill interval (with kills in turn every worker instance lives about #workers x the
+    interval, never half a 30-minute run: only the router would be judged).
     An instance's warm-up starts when it is first seen: a worker Ray restarted after a kill is
     still loading its model when it first appears (~300 MiB, then ~2 GiB once serving), and
     that growth is start-up, not drift."""
@@ -152,7 +154,8 @@ def rss_drift(run: SoakRun) -> dict[str, float]:
                 series.setdefault(key, []).append((s.t_s, mib))
     out = {}
     for key, points in series.items():
-        if points[-1][0] - points[0][0] >= (c.duration_s - c.warmup_s) / 2 and points[0][1] > 0:
+        min_span = min((c.duration_s - c.warmup_s) / 2, c.kill_interval_s)
+        if points[-1][0] - points[0][0] >= min_span and points[0][1] > 0:
             out[key] = 100.0 * (points[-1][1] - points[0][1]) / points[0][1]
     return out
 

@@ -58,3 +58,14 @@ def test_embedded_ray_has_a_cpu_for_every_worker():
     assert ClusterSpec(mode="agg", num_decode=1).ray_num_cpus() == 2
     assert ClusterSpec(mode="disagg", num_prefill=1, num_decode=1).ray_num_cpus(max_workers=5) == 5
     assert ClusterSpec(mode="agg", num_decode=3, num_cpus_per_worker=0.5).ray_num_cpus() == 2
+
+
+def test_rss_drift_judges_instances_that_lived_one_kill_interval():
+    """Kills in turn every 30 s: an instance seen from t=50 lives 40 s after its warm-up, less than
+    half the run (45 s) but more than one kill interval, so it is judged."""
+    from deploy.bench_soak import rss_drift
+
+    run = SoakRun(SoakConfig(duration_s=100, warmup_s=10, kill_interval_s=30), kills=[(50.0, "decode-0", 7)])
+    for t in range(0, 101, 10):
+        run.samples.append(Sample(float(t), {"decode-0:7": 1000.0} if t < 50 else {"decode-0:8": 1000.0 + t}, {}, {}))
+    assert rss_drift(run) == {"decode-0:7": 0.0, "decode-0:8": pytest.approx(100 * 40 / 1060)}
