@@ -97,6 +97,7 @@ def command(
         doc["machine"]["floors"] = asdict(machine)
         print(floors_line(machine, results))
     print(peers_table(results))
+    print(rss_breakdown(results))
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(doc, indent=2))
@@ -135,6 +136,8 @@ def run_one(spec: ServerSpec, port: int, num_prompts: int, max_tokens: int, max_
         out["error"] = f"{type(e).__name__}: {e}"
     finally:
         out["peak_rss_mib"] = sampler.peak / 2**20
+        out["peak_rss_by_process"] = [{"process": k, "count": n, "rss_mib": b / 2**20}
+                                      for k, n, b in sampler.peak_by_process]
         stop(proc)
         if log_dir:
             log.close()
@@ -170,33 +173,57 @@ async def _sampled(coro, sampler: "RssSampler"):
 
 
 class RssSampler:
-    """Peak resident memory of a process and all its descendants, in bytes."""
+    """Peak resident memory of a process and all its descendants, in bytes; ``peak_by_process``:
+    at the sample of that peak, each process's RSS by label (see ``process_label``), summed over
+    processes with the same label, largest first."""
 
     def __init__(self, pid: int) -> None:
         import psutil
 
         self.root = psutil.Process(pid)
         self.peak = 0
+        self.peak_by_process: list[tuple[str, int, int]] = []  # (label, processes, bytes)
 
     def sample(self) -> int:
         import psutil
 
-        total = 0
         try:
             procs = [self.root, *self.root.children(recursive=True)]
         except psutil.Error:
             return 0
+        by_label: dict[str, list[int]] = {}
         for p in procs:
             try:
-                total += p.memory_info().rss
+                rss, label = p.memory_info().rss, process_label(p.name(), p.cmdline())
             except psutil.Error:
-                pass
-        self.peak = max(self.peak, total)
+                continue
+            entry = by_label.setdefault(label, [0, 0])
+            entry[0] += 1
+            entry[1] += rss
+        total = sum(b for _, b in by_label.values())
+        if total > self.peak:
+            self.peak = total
+            self.peak_by_process = sorted(((k, n, b) for k, (n, b) in by_label.items()), key=lambda x: -x[2])
         return total
 
     def reset_peak(self) -> None:
         self.peak = 0
+        self.peak_by_process = []
         self.sample()
+
+
+def process_label(name: str, cmdline: list[str]) -> str:
+    """A short label for a server's process: Ray's process titles as they are ("ray::WorkerActor",
+    "raylet"), a Python process by its module (-m X) or script file, anything else by its name."""
+    if not name.startswith("python") or name.startswith("ray::"):
+        return name
+    args = cmdline[1:]
+    for i, a in enumerate(args):
+        if a == "-m" and i + 1 < len(args):
+            return args[i + 1]
+        if a.endswith(".py"):
+            return Path(a).name
+    return name
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -269,6 +296,18 @@ def machine_info() -> dict[str, Any]:
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
     return {"cpu": model, "isa_flags": [f for f in wanted if f in flags], "cores": len(os.sched_getaffinity(0)),
             "load_avg_1m": os.getloadavg()[0]}
+
+
+def rss_breakdown(results: list[dict[str, Any]]) -> str:
+    """Per server, its processes' RSS at its peak (MiB, by label; "xN" when N processes share one)."""
+    lines = ["peak RSS by process (MiB):"]
+    for r in results:
+        parts = []
+        for p in r.get("peak_rss_by_process", ()):
+            times = f" x{p['count']}" if p["count"] > 1 else ""
+            parts.append(f"{p['process']}{times} {p['rss_mib']:.0f}")
+        lines.append(f"  {r['name']}: " + ", ".join(parts))
+    return "\n".join(lines)
 
 
 def peers_table(results: list[dict[str, Any]]) -> str:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from bench.peers import RssSampler, ServerSpec, peers_table
+from bench.peers import RssSampler, ServerSpec, peers_table, process_label, rss_breakdown
 from engine.errors import UserError
 
 
@@ -39,6 +39,9 @@ def test_rss_sampler_counts_child_processes():
         while sampler.sample() < 64 * 2**20 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert sampler.peak >= 64 * 2**20
+        by = {p: (n, b) for p, n, b in sampler.peak_by_process}
+        assert sum(b for _, b in by.values()) == sampler.peak   # the breakdown is of the peak sample
+        assert any(b >= 64 * 2**20 for _, b in by.values())  # the child's label holds its 64 MiB
     finally:
         child.kill()
         child.wait()
@@ -67,3 +70,13 @@ def test_workload_floor_adds_prefill_flops_over_gemm_peak_and_decode_weight_read
     add_floor(row, cfg, 4, 2, machine)
     assert abs(row["floor_fraction"] - 0.25) < 1e-9
     assert peers_table([row]).splitlines()[2].split()[-2] == "25"
+
+
+def test_process_labels_and_the_breakdown_line():
+    assert process_label("ray::WorkerActor", ["ray::WorkerActor"]) == "ray::WorkerActor"
+    assert process_label("raylet", ["/x/raylet", "--a"]) == "raylet"
+    assert process_label("python3.11", ["/v/bin/python", "-u", "/r/log_monitor.py", "--x"]) == "log_monitor.py"
+    assert process_label("python", ["/v/bin/python", "-m", "deploy.cli", "serve"]) == "deploy.cli"
+    line = rss_breakdown([{"name": "d", "peak_rss_by_process": [{"process": "ray::WorkerActor", "count": 2,
+                                                                  "rss_mib": 2048.4}]}])
+    assert line.splitlines()[1] == "  d: ray::WorkerActor x2 2048"
