@@ -107,14 +107,13 @@ class LLMEngine:
 
         proposer = None
         if spec.method == "draft":
-            import torch
-
             from engine.model_runner import ModelRunner
             from engine.spec_decode.draft import DraftModelProposer
 
             draft_runner = draft_runner or ModelRunner(spec.model, block_size=self.runner.block_size,
                                                        num_blocks=self.runner.num_blocks,
-                                                       dtype=getattr(torch, config.dtype), device=config.device,
+                                                       # the target's dtype (config.dtype may be "auto")
+                                                       dtype=self.runner.dtype, device=config.device,
                                                        quantization=spec.quantization)
             proposer = DraftModelProposer(draft_runner, self.model_config.vocab_size)
         return Speculator(spec, self.scheduler.max_model_len, proposer)

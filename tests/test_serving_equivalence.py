@@ -1,5 +1,6 @@
 """Disaggregated greedy outputs equal the aggregated engine's, for 16 ShareGPT prompts, over
-every KV transport (nixl, torch, tcp), on real Ray with the real model.
+every KV transport (nixl, torch, tcp), on real Ray with the real model; and with speculative
+decoding on the decode worker (= agg without it: verification is exact).
 
 Near-tie rule: batches of different shapes may round differently, so where two runs diverge the
 reference model must rank both tokens as its top two, within NEAR_TIE_NATS of each other;
@@ -24,8 +25,10 @@ MAX_TOKENS = 16
 NEAR_TIE_NATS = 0.02
 
 
-def _run_all(spec, mode: str) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, greedy output ids) per prompt, all sent at once through the router."""
+def _run_all(spec, mode: str, status: list | None = None) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, greedy output ids) per prompt, all sent at once through the router; ``status``
+    (if given) receives the router's ClusterStatus once some worker reports verified drafts (or
+    after 5 s)."""
     from deploy.local_cluster import LocalServing
     from router.app import RouterConfig
 
@@ -44,7 +47,14 @@ def _run_all(spec, mode: str) -> list[tuple[list[int], list[int]]]:
     async def run(address: str):
         async with grpc.aio.insecure_channel(address) as ch:
             stub = api_pb2_grpc.GenerationStub(ch)
-            return await asyncio.gather(*(one(stub, p) for p in prompts))
+            outputs = await asyncio.gather(*(one(stub, p) for p in prompts))
+            for attempt in range(25 if status is not None else 0):   # the router polls worker stats
+                st = await stub.ClusterStatus(api_pb2.ClusterStatusRequest())
+                if any(w.spec_draft_tokens for w in st.workers) or attempt == 24:
+                    status.append(st)
+                    break
+                await asyncio.sleep(0.2)
+            return outputs
 
     with LocalServing(spec, RouterConfig(port=0, http_port=None, mode=mode)) as s:
         return s.call(run(s.grpc_address), 600)
@@ -99,3 +109,46 @@ def test_disaggregated_greedy_equals_aggregated(agg_outputs, reference, transpor
         assert_greedy_equal(reference, ids, a, b)
         exact += a == b
     assert exact >= N_PROMPTS // 2, f"only {exact} of {N_PROMPTS} identical"
+
+
+def _assert_all_equal(ref, expected, got) -> None:
+    assert len(got) == N_PROMPTS
+    exact = 0
+    for (ids, a), (ids2, b) in zip(expected, got):
+        assert ids == ids2 and a, "no tokens"
+        assert_greedy_equal(ref, ids, a, b)
+        exact += a == b
+    assert exact >= N_PROMPTS // 2, f"only {exact} of {N_PROMPTS} identical"
+
+
+def test_ngram_speculation_disaggregated_greedy_equals_aggregated(agg_outputs, reference):
+    """k fixed at 4 (adaptive off) so every decode step with an n-gram match verifies drafts; the
+    router's ClusterStatus (what ``pdserve status`` prints) shows the drafts and acceptances."""
+    from deploy.cluster import ClusterSpec
+    from engine.spec_decode.config import SpeculativeConfig
+
+    status: list = []
+    disagg = _run_all(ClusterSpec(mode="disagg", kv_transport="tcp", num_prefill=1, num_decode=1, num_blocks=512,
+                                  speculative=SpeculativeConfig("ngram", 4, adaptive=False)), "disagg", status)
+    _assert_all_equal(reference, agg_outputs, disagg)
+    decode = [w for w in status[0].workers if w.role == "decode"]
+    assert decode and decode[0].spec_draft_tokens > 0, status[0]
+    assert 0 < decode[0].spec_accepted_tokens <= decode[0].spec_draft_tokens
+
+
+def test_int8_self_draft_disaggregated_greedy_equals_aggregated(agg_outputs, reference):
+    """The bundled model's int8 copy drafts on the decode worker, whose draft cache the prefill
+    worker never fills: the draft recomputes each prompt's KV on its first drafted step
+    (engine/spec_decode/draft.py); verification keeps the target's greedy tokens."""
+    from deploy.cluster import ClusterSpec
+    from engine.spec_decode.config import SpeculativeConfig
+
+    status: list = []
+    draft = SpeculativeConfig("draft", 3, model=MODEL, quantization="int8", adaptive=False)
+    disagg = _run_all(ClusterSpec(mode="disagg", kv_transport="tcp", num_prefill=1, num_decode=1, num_blocks=512,
+                                  speculative=draft), "disagg", status)
+    _assert_all_equal(reference, agg_outputs, disagg)
+    decode = [w for w in status[0].workers if w.role == "decode"]
+    assert decode and decode[0].spec_draft_tokens > 0, status[0]
+    # an int8 copy agrees with its target most of the time (a broken draft cache would not)
+    assert decode[0].spec_accepted_tokens > 0.5 * decode[0].spec_draft_tokens, status[0]

@@ -22,9 +22,10 @@ from engine.block_manager import BlockManager
 from engine.request import Request
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
+    """Length of the longest common prefix of a and b, given that it is at least ``start``."""
     n = min(len(a), len(b))
-    for i in range(n):
+    for i in range(min(start, n), n):
         if a[i] != b[i]:
             return i
     return n
@@ -43,6 +44,10 @@ class DraftModelProposer:
         self.runner = runner
         self.bm = BlockManager(runner.num_blocks, runner.block_size, watermark=0.0, enable_prefix_caching=False)
         self._written: dict[str, list[int]] = {}
+        # tokens the request had at its last drafting: a prefix of its tokens now (they only grow;
+        # a preemption takes the request out of the running set, which forgets it), so the
+        # comparison with _written starts there instead of at position 0 (O(drafts), not O(context))
+        self._known: dict[str, int] = {}
         self.num_forwards = 0
         self.num_catchup_tokens = 0
 
@@ -57,7 +62,9 @@ class DraftModelProposer:
             k, tokens = ks.get(r.request_id, 0), r.all_token_ids
             if k <= 0 or self.bm.allocate(r.request_id, len(tokens) + k - 1) is None:
                 continue
-            start = min(common_prefix(self._written.get(r.request_id, ()), tokens), len(tokens) - 1)
+            written = self._written.get(r.request_id, ())
+            start = min(common_prefix(written, tokens, self._known.get(r.request_id, 0)), len(tokens) - 1)
+            self._known[r.request_id] = len(tokens)
             self.num_catchup_tokens += len(tokens) - start
             rows.append((r.request_id, k, tokens, start))
         drafts: dict[str, list[int]] = {rid: [] for rid, *_ in rows}
@@ -81,6 +88,7 @@ class DraftModelProposer:
     def release(self, request_id: str) -> None:
         self.bm.free(request_id)
         self._written.pop(request_id, None)
+        self._known.pop(request_id, None)
 
     def forget(self, live_request_ids: set[str] | frozenset[str]) -> None:
         for rid in [r for r in self.bm.holders() if r not in live_request_ids]:
