@@ -48,6 +48,31 @@ def assert_idle(serving, timeout_s: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+async def _side_router(serving, list_workers=None, **config):
+    """(router, endpoints): a second router on the module's cluster with its own RouterConfig
+    settings (gRPC on any free port, no HTTP unless given), started; the caller stops it.
+    list_workers: the registry's source (default: every worker of the cluster)."""
+    from router.app import Router, RouterConfig
+    from router.registry import CallableRegistry
+
+    settings = dict(port=0, http_port=None, mode="disagg", internal_secret=serving.controller.internal_secret)
+    router = Router(CallableRegistry(list_workers or serving.controller.list_workers),
+                    RouterConfig(**(settings | config)))
+    return router, await router.start()
+
+
+def _count_calls(obj, name: str) -> dict[str, int]:
+    """Wrap the async method obj.<name> to count its calls; returns the live count {"n": calls}."""
+    calls, orig = {"n": 0}, getattr(obj, name)
+
+    async def counting(*args, **kwargs):
+        calls["n"] += 1
+        return await orig(*args, **kwargs)
+
+    setattr(obj, name, counting)
+    return calls
+
+
 def _stub(serving):
     return api_pb2_grpc.GenerationStub(grpc.insecure_channel(serving.grpc_address))
 
@@ -181,14 +206,8 @@ def test_workers_check_again_and_refuse_bad_requests(serving):
 
 
 def test_too_many_waiting_gets_resource_exhausted(serving):
-    from router.app import Router, RouterConfig
-    from router.registry import CallableRegistry
-
     async def run() -> list:
-        router = Router(CallableRegistry(serving.controller.list_workers),
-                        RouterConfig(port=0, http_port=None, mode="disagg", max_waiting=2,
-                                     internal_secret=serving.controller.internal_secret))
-        ep = await router.start()
+        router, ep = await _side_router(serving, max_waiting=2)
         try:
             async with grpc.aio.insecure_channel(ep.grpc) as ch:
                 stub = api_pb2_grpc.GenerationStub(ch)
@@ -215,16 +234,11 @@ def test_too_many_waiting_gets_resource_exhausted(serving):
 def test_no_prefill_worker_alive_prefills_on_the_decode_worker(serving):
     """Prefill failover's last resort: with no live prefill worker the decode worker prefills the
     prompt itself (no reservation is made), over gRPC and HTTP."""
-    from router.app import Router, RouterConfig
-    from router.registry import CallableRegistry
-
     async def decode_only():
         return [w for w in await serving.controller.list_workers() if w.role == "decode"]
 
     async def run():
-        router = Router(CallableRegistry(decode_only), RouterConfig(
-            port=0, http_port=0, mode="disagg", internal_secret=serving.controller.internal_secret))
-        ep = await router.start()
+        router, ep = await _side_router(serving, decode_only, http_port=0)
         try:
             async with grpc.aio.insecure_channel(ep.grpc) as ch:
                 req = api_pb2.GenerateRequest(model=MODEL, prompt="Hello there",
@@ -323,24 +337,11 @@ def test_http_client_disconnect_mid_stream_leaks_nothing(serving):
 def test_short_prompts_are_prefilled_on_the_decode_worker(serving):
     """Conditional disaggregation: below --local-prefill-threshold the decode worker does it all,
     with the same greedy text as the disaggregated path."""
-    from router.app import Router, RouterConfig
-    from router.registry import CallableRegistry
-
     prompt = "The three primary colors are"
 
     async def run() -> tuple[str, int]:
-        router = Router(CallableRegistry(serving.controller.list_workers),
-                        RouterConfig(port=0, http_port=None, mode="disagg", local_prefill_threshold=64,
-                                     internal_secret=serving.controller.internal_secret))
-        ep = await router.start()
-        calls = {"n": 0}
-        orig = router.orchestrator._prefill_with_retry
-
-        async def counting(*args, **kwargs):
-            calls["n"] += 1
-            return await orig(*args, **kwargs)
-
-        router.orchestrator._prefill_with_retry = counting
+        router, ep = await _side_router(serving, local_prefill_threshold=64)
+        calls = _count_calls(router.orchestrator, "_prefill_with_retry")
         try:
             async with grpc.aio.insecure_channel(ep.grpc) as ch:
                 req = api_pb2.GenerateRequest(model=MODEL, prompt=prompt,
@@ -362,18 +363,12 @@ def test_decode_worker_that_caches_the_prefix_receives_only_the_uncached_blocks(
     """Disaggregated, the decode worker's own prefix cache supplies the blocks it already has:
     Reserve says how many, the prefill worker writes only the rest (bytes exactly those blocks'),
     and the greedy text is the one the full transfer gave."""
-    from router.app import Router, RouterConfig
-    from router.registry import CallableRegistry
-
     # ignore_eos: a first token that ends the request frees the decode side's reservation unused
     stem = "Background: " + " ".join(f"item {i} is {i * 7 % 13}." for i in range(40))  # new to the workers
     bs = 16  # ClusterSpec's block size
 
     async def run() -> list[tuple[str, int, int, int]]:
-        router = Router(CallableRegistry(serving.controller.list_workers),
-                        RouterConfig(port=0, http_port=None, mode="disagg",
-                                     internal_secret=serving.controller.internal_secret))
-        ep = await router.start()
+        router, ep = await _side_router(serving)
         seen: list[tuple[int, int, int]] = []
         orig = router.orchestrator._prefill
 
@@ -410,25 +405,13 @@ def test_conditional_disaggregation_decides_on_the_uncached_length(serving):
     """--local-prefill-threshold 64 against a 300-token prompt: disaggregated while the decode
     worker lacks it; once D caches its stem, the same stem with a new question (its uncached
     part a few tokens) is prefilled on D itself, although the prompt is far above the threshold."""
-    from router.app import Router, RouterConfig
     from router.prefix_index import prompt_block_hashes
-    from router.registry import CallableRegistry
 
     stem = "Inventory: " + " ".join(f"box {i} holds {i * 5 % 11} pens." for i in range(36))
 
     async def run() -> list[tuple[int, int]]:
-        router = Router(CallableRegistry(serving.controller.list_workers),
-                        RouterConfig(port=0, http_port=None, mode="disagg", local_prefill_threshold=64,
-                                     internal_secret=serving.controller.internal_secret))
-        ep = await router.start()
-        calls = {"n": 0}
-        orig = router.orchestrator._prefill_with_retry
-
-        async def counting(*args, **kwargs):
-            calls["n"] += 1
-            return await orig(*args, **kwargs)
-
-        router.orchestrator._prefill_with_retry = counting
+        router, ep = await _side_router(serving, local_prefill_threshold=64)
+        calls = _count_calls(router.orchestrator, "_prefill_with_retry")
         out = []
         try:
             async with grpc.aio.insecure_channel(ep.grpc) as ch:
