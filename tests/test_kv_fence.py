@@ -181,6 +181,27 @@ def _abort_rounds(cluster: Cluster, rounds: int, label: str) -> dict:
     return cluster.call(run(), 60 * 30)
 
 
+def _fault_round(cluster: Cluster, wrapper, spec, label: str, prompt: str):
+    """(baseline text, victim text or its grpc.RpcError, text after, what is still held at idle):
+    one prompt served before, during (request "<label>-victim", with ``spec`` on ``wrapper``,
+    a FaultyTransport) and after a fault."""
+    from kv_transfer.faults import FaultSpec
+
+    async def run():
+        baseline = await cluster.generate(f"{label}-base", prompt)
+        wrapper.spec, wrapper.writes = spec, 0
+        try:
+            victim = await cluster.generate(f"{label}-victim", prompt)
+        except grpc.RpcError as e:
+            victim = e
+        finally:
+            wrapper.spec = FaultSpec()
+        after = await cluster.generate(f"{label}-after", prompt)
+        return baseline, victim, after, await cluster.idle()
+
+    return cluster.call(run(), 300)
+
+
 def _report(name: str, outcomes: dict) -> None:
     print(f"\n[kv-fence] {name}: {outcomes}")
 
@@ -260,23 +281,10 @@ def test_corrupted_payload_is_caught_by_the_kv_checksum_before_decoding(cluster)
     ends it with that error — never text decoded from corrupted KV."""
     from kv_transfer.faults import FaultSpec
 
-    prompt = _prompts(1, 21)[0]
     wrapper = cluster.d.transport
-
-    async def run():
-        baseline = await cluster.generate("corrupt-base", prompt)
-        wrapper.spec = FaultSpec(corrupt=1.0, match="corrupt-victim", seed=5)
-        try:
-            victim = await cluster.generate("corrupt-victim", prompt)
-        except grpc.RpcError as e:
-            victim = e
-        finally:
-            wrapper.spec = FaultSpec()
-        after = await cluster.generate("corrupt-after", prompt)
-        return baseline, victim, after, await cluster.idle()
-
     mismatches = cluster.d.counters["checksum_mismatch"]
-    baseline, victim, after, busy = cluster.call(run(), 300)
+    baseline, victim, after, busy = _fault_round(cluster, wrapper, FaultSpec(corrupt=1.0, match="corrupt-victim",
+                                                                             seed=5), "corrupt", _prompts(1, 21)[0])
     _report("corrupted payload", {"victim": victim if isinstance(victim, str) else victim.details(),
                                   "corrupted_writes": wrapper.counters["corrupted"]})
     assert wrapper.counters["corrupted"] > 0 and cluster.d.counters["checksum_mismatch"] == mismatches + 1
@@ -294,22 +302,9 @@ def test_prefill_connections_killed_mid_transfer_then_served_again(cluster):
     reconnects; nothing leaks."""
     from kv_transfer.faults import FaultSpec
 
-    prompt = _prompts(1, 31)[0]
     wrapper = cluster.p.transport
-
-    async def run():
-        baseline = await cluster.generate("kill-base", prompt)
-        wrapper.spec, wrapper.writes = FaultSpec(kill_after_writes=5, match="kill-victim", seed=6), 0
-        try:
-            victim = await cluster.generate("kill-victim", prompt)
-        except grpc.RpcError as e:
-            victim = e
-        finally:
-            wrapper.spec = FaultSpec()
-        after = await cluster.generate("kill-after", prompt)
-        return baseline, victim, after, await cluster.idle()
-
-    baseline, victim, after, busy = cluster.call(run(), 300)
+    baseline, victim, after, busy = _fault_round(cluster, wrapper, FaultSpec(kill_after_writes=5, match="kill-victim",
+                                                                             seed=6), "kill", _prompts(1, 31)[0])
     assert wrapper.counters["kills"] == 1
     if isinstance(victim, grpc.RpcError):
         assert victim.code() == grpc.StatusCode.UNAVAILABLE, victim
