@@ -319,9 +319,9 @@ class AblationRun:
     async def _tiers(self, p, url, requests, rss, scraper, rows, doc) -> dict[str, Any]:
         from bench.ablate_quality import greedy_agreement, greedy_completions
         from bench.backends import create_backend
-        from bench.load import LoadConfig, run_load
-        from bench.metrics import summarize
+        from bench.load import LoadConfig
         from bench.peers import _sampled
+        from bench.serve import measure_load
 
         from bench.load import warm_up
 
@@ -334,9 +334,8 @@ class AblationRun:
                 load = LoadConfig(math.inf, 1.0, c, 0, w["seed"], self.progress)
                 await scraper.start()
                 rss.reset_peak()
-                result = await _sampled(run_load(target, requests[sl], load), rss)
+                figures, _ = await _sampled(measure_load(target, requests[sl], load, self.slo), rss)
                 kv = await scraper.stop()
-                figures = summarize(result.records, result.duration_s, self.slo)
                 rows.append(self._row(p, c, figures, kv=kv, peak_rss_mib=rss.peak / 2**20,
                                       num_requests=sl.stop - sl.start, requests=[sl.start, sl.stop]))
         finally:

@@ -24,7 +24,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 
 import typer
 
@@ -32,7 +32,7 @@ from engine.errors import UserError
 
 if TYPE_CHECKING:
     from bench.datasets import DatasetConfig
-    from bench.load import LoadConfig
+    from bench.load import LoadConfig, RunResult
     from bench.metrics import SLO, RequestRecord
 
 _WORKLOAD = "Workload"
@@ -71,7 +71,7 @@ def command(
 ) -> None:
     """Serving benchmark against pdserve or any OpenAI-compatible server (TTFT, TPOT, ITL, E2E, goodput)."""
     from bench.datasets import DatasetConfig
-    from bench.load import LoadConfig
+    from bench.load import LoadConfig, RunResult
     from bench.metrics import SLO
 
     rates = parse_rates(sweep_rates) if sweep_rates else [request_rate]
@@ -130,10 +130,9 @@ def parse_rates(spec: str) -> list[float]:
 
 async def run_benchmark(spec: BenchSpec) -> BenchOutcome:
     """Run every configured rate against the target, one after another."""
-    from bench.backends import count_output_tokens, create_backend
+    from bench.backends import create_backend
     from bench.datasets import load_requests
-    from bench.load import run_load
-    from bench.metrics import goodput_rate, summarize
+    from bench.metrics import goodput_rate
     from bench.report import run_document
     from bench.tokenizer import LazyTokenizer
 
@@ -149,13 +148,7 @@ async def run_benchmark(spec: BenchSpec) -> BenchOutcome:
         requests = load_requests(spec.dataset, tok.get() if needs_tok else None)
         header = run_header(spec, target.model, len(requests))
         for load in spec.loads:
-            result = await run_load(target, requests, load)
-            if any(r.output_tokens_source == "chunks" for r in result.records):  # the target sent no usage
-                count_output_tokens(result.records, tok.get())
-                if tok.get() is None:
-                    print("pdserve bench: the target reported no usage and no tokenizer is known: output tokens "
-                          "are counted as streamed chunks (pass --tokenizer PATH)", file=sys.stderr)
-            figures = summarize(result.records, result.duration_s, spec.slo)
+            figures, result = await measure_load(target, requests, load, spec.slo, tok.get)
             docs.append(run_document(header, load.request_rate, figures, result.records))
             records.append(result.records)
     finally:
@@ -166,6 +159,24 @@ async def run_benchmark(spec: BenchSpec) -> BenchOutcome:
     doc = {**header, "sweep_rates": [d["request_rate"] for d in docs], "attainment_target": spec.attainment_target,
            "goodput_rate": goodput_rate(points, spec.attainment_target) if spec.slo else None, "runs": docs}
     return BenchOutcome(doc, records)
+
+
+async def measure_load(target, requests, load: "LoadConfig", slo: "SLO | None",
+                       tokenizer: Callable[[], Any] = lambda: None) -> tuple[dict[str, Any], "RunResult"]:
+    """(figures, result) of one load against an open backend: the requests sent as ``load`` says,
+    output tokens counted with ``tokenizer()`` where the target reported no usage, then summarized
+    (bench/metrics.py) against ``slo``. Used by ``bench serve`` per rate and ``bench ablate`` per tier."""
+    from bench.backends import count_output_tokens
+    from bench.load import run_load
+    from bench.metrics import summarize
+
+    result = await run_load(target, requests, load)
+    if any(r.output_tokens_source == "chunks" for r in result.records):  # the target sent no usage
+        count_output_tokens(result.records, tokenizer())
+        if tokenizer() is None:
+            print("pdserve bench: the target reported no usage and no tokenizer is known: output tokens "
+                  "are counted as streamed chunks (pass --tokenizer PATH)", file=sys.stderr)
+    return summarize(result.records, result.duration_s, slo), result
 
 
 def run_header(spec: BenchSpec, model_id: str, num_prompts: int) -> dict[str, Any]:
