@@ -193,13 +193,19 @@ class DecodeTokensRequest(_Strict):
 # ---- responses -----------------------------------------------------------------------------------
 
 def usage_dict(usages: list[api_pb2.Usage]) -> dict | None:
-    """One usage for n completions of one prompt: the prompt once, the completions summed."""
+    """One usage for n completions of one prompt: the prompt once, the completions summed.
+
+    ``recomputed_tokens`` (pdserve's extension, as in the gRPC Usage): tokens computed again after
+    a worker was lost — a migrated request's prompt and already streamed tokens, a prefill retried
+    elsewhere — summed over the completions; 0 when nothing failed. They are not in
+    ``total_tokens``, which counts what the client sent and received, as OpenAI's does."""
     if not usages:
         return None
     prompt = usages[0].prompt_tokens
     completion = sum(u.completion_tokens for u in usages)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": max(u.cached_tokens for u in usages)}}
+            "prompt_tokens_details": {"cached_tokens": max(u.cached_tokens for u in usages)},
+            "recomputed_tokens": sum(u.recomputed_tokens for u in usages)}
 
 
 class Shape:

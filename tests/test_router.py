@@ -127,3 +127,21 @@ def test_generation_config_defaults_fill_only_unset_fields(tmp_path):
     s = CompletionRequest(prompt="hi", temperature=0.0).sampling(None, defaults)
     assert (s.temperature, s.top_p, s.top_k, s.max_tokens) == (0.0, 0.9, 20, 33)
     assert generation_defaults(tmp_path / "missing") == {}
+
+
+def test_http_usage_carries_recomputed_tokens_summed_over_choices():
+    """pdserve's usage extension (as in the gRPC Usage): what was computed again after a lost
+    worker, summed over n choices; not in total_tokens. The real-cluster check, streamed and not,
+    after a migration: tests/test_serving_failover.py."""
+    from proto.pdserve.v1 import api_pb2
+    from router.openai_protocol import Shape, usage_dict
+    from router.service import Delta
+
+    usages = [api_pb2.Usage(prompt_tokens=40, completion_tokens=8, recomputed_tokens=43),
+              api_pb2.Usage(prompt_tokens=40, completion_tokens=8)]
+    assert usage_dict(usages) == {"prompt_tokens": 40, "completion_tokens": 16, "total_tokens": 56,
+                                  "prompt_tokens_details": {"cached_tokens": 0}, "recomputed_tokens": 43}
+    shape = Shape("cmpl-1", "m", False, str)
+    full = shape.full([[Delta([5], "a", "length", usages[0])]], want_logprobs=False)
+    assert full["usage"]["recomputed_tokens"] == 43
+    assert shape.usage_chunk([usages[1]])["usage"]["recomputed_tokens"] == 0
