@@ -79,6 +79,7 @@ class ClusterSpec:
     internal_tls: TlsFiles | None = None   # every worker serves its API over TLS (proto/tls.py)
     kv_checksum: bool = False   # --kv-checksum (debug)
     kv_faults: str = ""         # --kv-fault-injection (debug, kv_transfer/faults.py)
+    engine_wedge_file: str = ""  # tests: each worker's engine step waits while this file exists (worker/faults.py)
 
     def role_resources(self, role: str) -> dict[str, float]:
         return dict(self.prefill_resources if role == "prefill" else self.decode_resources)
@@ -103,7 +104,8 @@ class ClusterSpec:
                             kv_cache_memory_bytes=self.kv_cache_memory_bytes, dtype=self.dtype,
                             quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
                             speculative=self.speculative, internal_secret=self.internal_secret,
-                            tls=self.internal_tls, kv_checksum=self.kv_checksum, kv_faults=self.kv_faults)
+                            tls=self.internal_tls, kv_checksum=self.kv_checksum, kv_faults=self.kv_faults,
+                            engine_wedge_file=self.engine_wedge_file)
         configs = []
         for role, n in roles:
             for i in range(n):

@@ -96,9 +96,12 @@ class Router:
         self.registry = registry
         self.index = PrefixIndex()
         self.kv_sync = KvEventSync(self.index)
+        self.metrics = RouterMetrics()
+        # failover counted by the served model's name, which the service learns from the workers
+        events = self.metrics.failover_events(lambda: self.service.model_name)
         self.pool = WorkerPool(registry, config.worker_poll_interval_s, config.worker_rpc_timeout_s,
                                kv_sync=self.kv_sync, internal_secret=config.internal_secret,
-                               internal_tls=config.internal_tls)
+                               internal_tls=config.internal_tls, events=events)
         self.kv_consumer = None
         if hasattr(registry, "client") and hasattr(registry, "connected"):  # a RedisRegistry
             from router.kv_sync import RedisKvConsumer
@@ -107,7 +110,6 @@ class Router:
             self.pool.kv_events_pushed = lambda: self.kv_consumer.connected
         self.selector = Selector(self.pool, self.index, config.routing)
         self.orchestrator = Orchestrator(self.pool, config.flow(), self.selector)
-        self.metrics = RouterMetrics()
         self.service = RouterService(self.pool, self.orchestrator, self.metrics, config.service())
         self.service.health_details = self.health_details
         self._grpc = None

@@ -14,13 +14,26 @@ default), so a stopped or wedged worker is noticed in seconds:
       chunk_gap_s: that worker's measured gap between chunks (EWMA), `default_gap_s` before any.
 
 A leg past its timeout is treated as a lost worker: a prefill is aborted and tried elsewhere, a
-decode stream is migrated (router/orchestrator.py). The request's own deadline still bounds
-every leg. Pure: no I/O, no clock; the orchestrator measures and passes seconds in.
+decode stream is migrated (router/orchestrator.py) — unless the worker answers its Stats polls
+with other requests running or waiting (ours is queued behind them) and its engine is making
+progress. Progress is its Stats' ``engine_steps`` counter; a busy worker whose counter has not
+moved for the stall bound is wedged inside a step and counts as lost:
+    stall (the longest one engine step may take):
+        floor_s + slack * max_step_tokens * s_per_token
+      max_step_tokens: the most tokens one step of that worker computes (WorkerInfo: its
+      --max-num-batched-tokens, or the idle budget when larger); s_per_token as for prefill (it
+      includes queueing, so the bound errs long). Serve defaults, unmeasured: 5 + 4 x 2048 x
+      0.005 = 46 s; measured at ~400 prompt tokens/s (fp32, one thread): 5 + 4 x 2048 / 400 = 25 s.
+The request's own deadline still bounds every leg. Pure: no I/O, no clock; the orchestrator
+measures and passes seconds in.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+DEFAULT_STEP_TOKENS = 2048  # a worker that does not report its step budget: serve's idle budget
 
 
 @dataclass(frozen=True)
@@ -43,6 +56,12 @@ class LegTimeouts:
         """Seconds a prefill of a worker with `queued_tokens` booked (ours included) may take."""
         spt = rate.s_per_token if rate.s_per_token is not None else self.default_s_per_token
         return self.floor_s + self.slack * max(queued_tokens, 1) * spt
+
+    def stall_s(self, rate: "WorkRate", max_step_tokens: int) -> float:
+        """Seconds a busy worker's engine may go without completing a step (one step of
+        `max_step_tokens`, at its measured prefill speed, with slack); 0 tokens (not reported)
+        counts as DEFAULT_STEP_TOKENS."""
+        return self.prefill_s(rate, max_step_tokens or DEFAULT_STEP_TOKENS)
 
     def chunk_s(self, rate: "WorkRate") -> float:
         """Seconds to wait for the next chunk of a decode stream."""

@@ -5,6 +5,10 @@ token, inter-token latency, time per output token, end-to-end latency, finished 
 ``finished_reason``, prompt / generation tokens, KV transfer bytes and time per request); what
 it shares a concept with the workers gets a ``router_`` name (its own queue: admitted requests
 before / after their first token), so no name is exported by both and a sum never double counts.
+Failover, by ``reason`` (router/failover_events.py; every known reason exported from the start,
+at 0): ``pdserve:request_migrations_total`` (requests moved to another decode-capable worker),
+``pdserve:prefill_failovers_total`` (prefill legs given up on their worker) and
+``pdserve:worker_suspect_total`` (workers that became suspect, also by ``role``).
 The workers' engine-side series are in worker/metrics.py.
 
 Each process owns a registry and serves it on its own port, bound to 127.0.0.1 unless told
@@ -14,8 +18,11 @@ otherwise (prometheus-client's default is 0.0.0.0); the HTTP API also serves it 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from router.failover_events import MIGRATION_REASONS, PREFILL_FAILOVER_REASONS, SUSPECT_REASONS, FailoverEvents
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                     10.0, 20.0, 40.0, 80.0)
@@ -70,6 +77,16 @@ class RouterMetrics:
                                         "1 while the worker registry is reachable (0: serving from the last view)",
                                         registry=r)
         self.registry_connected.set(1)
+        self._migrations = Counter("pdserve:request_migrations",
+                                   "Requests moved to another decode-capable worker mid-stream, by reason",
+                                   M + ("reason",), registry=r)
+        self._prefill_failovers = Counter("pdserve:prefill_failovers",
+                                          "Prefill legs given up on their worker (retried elsewhere, or prefilled "
+                                          "on the decode worker: reason no_prefill_worker), by reason",
+                                          M + ("reason",), registry=r)
+        self._suspects = Counter("pdserve:worker_suspect",
+                                 "Workers that became suspect (no new requests until they answer or progress again), "
+                                 "by role and reason", M + ("role", "reason"), registry=r)
         self._series: dict[str, ModelSeries] = {}
 
     def model(self, name: str) -> ModelSeries:
@@ -80,13 +97,44 @@ class RouterMetrics:
                 self._running.labels(name), self._waiting.labels(name), self._prompt.labels(name),
                 self._generation.labels(name), self._kv_bytes.labels(name), self._kv_seconds.labels(name),
                 self._cached.labels(name), self._finished, self._errors)
+            for reason in MIGRATION_REASONS:  # every known reason exported at 0 from the start
+                self._migrations.labels(name, reason)
+            for reason in PREFILL_FAILOVER_REASONS:
+                self._prefill_failovers.labels(name, reason)
+            for role in ("prefill", "decode", "agg"):
+                for reason in SUSPECT_REASONS:
+                    self._suspects.labels(name, role, reason)
         return self._series[name]
+
+    def failover_events(self, model_name: Callable[[], str]) -> FailoverEvents:
+        """Hooks for the pool and orchestrator that count into this registry; model_name() is
+        asked at each event (the served id, learned from the workers)."""
+        return _CountedEvents(self, model_name)
 
     def finished(self, model_name: str, finished_reason: str):
         return self._finished.labels(model_name=model_name, finished_reason=finished_reason)
 
     def errors(self, model_name: str, code: str):
         return self._errors.labels(model_name=model_name, code=code)
+
+
+class _CountedEvents(FailoverEvents):
+    def __init__(self, metrics: RouterMetrics, model_name: Callable[[], str]) -> None:
+        self._m, self._name = metrics, model_name
+
+    def _model(self) -> str:
+        name = self._name()
+        self._m.model(name)  # its series (and the zeros of every reason) exist
+        return name
+
+    def migration(self, reason: str) -> None:
+        self._m._migrations.labels(self._model(), reason).inc()
+
+    def prefill_failover(self, reason: str) -> None:
+        self._m._prefill_failovers.labels(self._model(), reason).inc()
+
+    def worker_suspect(self, role: str, reason: str) -> None:
+        self._m._suspects.labels(self._model(), role, reason).inc()
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> int:

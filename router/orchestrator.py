@@ -18,12 +18,16 @@ One attempt on a decode-capable worker D (``_attempt``):
        confirms D has the KV, so P.Release drops P's hold.
   Local (agg mode, a short uncached prompt, no live prefill worker): D.Generate does both.
 Migration (``run``): when a decode-side leg's worker is lost (Reserve or the stream fails with
-UNAVAILABLE, or a chunk is late past its leg timeout), the router aborts that attempt's legs and
+UNAVAILABLE, or a chunk is late past its leg timeout while the worker has nothing else to do, or
+while its engine completes no step within the stall bound: router/leg_timeouts.py), the router
+aborts that attempt's legs and
 re-issues the prompt plus every token already streamed to another decode-capable worker
 (D'.Generate with resume_token_ids: recomputed there as output, not emitted again), and the
 client's stream continues without an error. At most --migration-limit times per request; the
 final usage's recomputed_tokens counts the prompt and resumed tokens computed again (prefill
 retries included). With greedy or seeded sampling the text equals an uninterrupted run.
+Each migration, prefill failover and suspicion is reported with its reason to the pool's
+FailoverEvents (router/failover_events.py; the router's Prometheus counters).
 
 Whatever ends the request early (client cancel or disconnect, deadline, a stop string seen by
 the router, a failed leg), every leg still open gets an Abort, sent in the background so that
@@ -45,6 +49,8 @@ import grpc
 
 from proto.pdserve.v1 import api_pb2, worker_pb2
 from router.errors import ServiceError
+from router.failover_events import (LEG_TIMEOUT, NO_PREFILL_WORKER, NO_PROGRESS, STREAM_ENDED, WORKER_ERROR,
+                                    FailoverEvents)
 from router.leg_timeouts import LegTimeouts
 from router.pool import WorkerHandle, WorkerPool
 from router.prefix_index import PrefixIndex
@@ -93,11 +99,24 @@ class Tokens:
 
 class _WorkerLost(Exception):
     """A decode-side leg lost its worker (failed with UNAVAILABLE, or late past its leg timeout):
-    the request may migrate."""
+    the request may migrate. reason: router/failover_events.py."""
 
-    def __init__(self, error: ServiceError) -> None:
+    def __init__(self, error: ServiceError, reason: str = WORKER_ERROR) -> None:
         super().__init__(error.message)
         self.error = error
+        self.reason = reason
+
+    @classmethod
+    def of(cls, error: ServiceError) -> "_WorkerLost":
+        return cls(error, getattr(error, "reason", WORKER_ERROR))
+
+
+class _LegLate(ServiceError):
+    """A leg given up on its worker for lateness (UNAVAILABLE): reason LEG_TIMEOUT or NO_PROGRESS."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+        self.reason = reason
 
 
 @dataclass
@@ -134,10 +153,13 @@ class _Legs:
 
 
 class Orchestrator:
-    def __init__(self, pool: WorkerPool, config: FlowConfig, selector: Selector | None = None) -> None:
+    def __init__(self, pool: WorkerPool, config: FlowConfig, selector: Selector | None = None,
+                 events: FailoverEvents | None = None) -> None:
+        """events: where migrations and prefill failovers are reported (default: the pool's)."""
         self._pool = pool
         self.config = config
         self.selector = selector or Selector(pool, PrefixIndex(), RoutingConfig())
+        self.events = events or pool.events
         self._background: set[asyncio.Task] = set()
         self.migrations = 0        # requests moved to another decode-capable worker (tests, metrics)
         self.prefill_failovers = 0  # prefill legs retried elsewhere or prefilled locally
@@ -164,21 +186,22 @@ class Orchestrator:
                 except _WorkerLost as e:
                     if len(legs.lost) >= self.config.migration_limit:
                         raise e.error from None
-                    self._migrate(legs, booking.worker, e.error)
+                    self._migrate(legs, booking.worker, e)
                 finally:
                     booking.done()
         finally:
             if not legs.finished and legs.open:
                 self._spawn(self._abort_legs(*legs.take_open()))
 
-    def _migrate(self, legs: _Legs, d: WorkerHandle, error: ServiceError) -> None:
+    def _migrate(self, legs: _Legs, d: WorkerHandle, lost: _WorkerLost) -> None:
         """Leave worker d: abort this attempt's legs (fence order), recompute elsewhere."""
         legs.lost.add(d.id)
         self.migrations += 1
+        self.events.migration(lost.reason)
         self._spawn(self._abort_legs(*legs.take_open()))
         legs.recomputed += len(legs.prompt_ids) + len(legs.sent)
         log.warning("request %s: %s lost after %d tokens (%s); migrating", legs.request_id, d.id, len(legs.sent),
-                    error.message)
+                    lost.error.message)
 
     async def drain(self) -> None:
         """Wait for background aborts and releases (shutdown, tests)."""
@@ -211,6 +234,7 @@ class Orchestrator:
         got = await self._prefill_with_retry(d, legs)
         if got is None:  # no prefill worker could do it: D prefills the prompt itself
             self.prefill_failovers += 1
+            self.events.prefill_failover(NO_PREFILL_WORKER)
             legs.recomputed += len(legs.prompt_ids)
             async for tokens in self._local(d, legs):
                 yield tokens
@@ -253,7 +277,7 @@ class Orchestrator:
             reply = await asyncio.shield(task)
         except ServiceError as e:
             if e.code == grpc.StatusCode.UNAVAILABLE:
-                raise _WorkerLost(e) from None
+                raise _WorkerLost.of(e) from None
             raise
         return wrid, reply.destination
 
@@ -282,6 +306,7 @@ class Orchestrator:
                 if e.code != grpc.StatusCode.UNAVAILABLE:
                     raise
                 self.prefill_failovers += 1
+                self.events.prefill_failover(getattr(e, "reason", WORKER_ERROR))
                 self._spawn(self._abort_legs(*legs.take_open()))  # P first, then this try's reservation
                 log.warning("prefill of %s failed on %s: %s; %s", legs.request_id, p.id, e.message,
                             "retrying" if attempt + 1 < self.config.prefill_attempts else "prefilling on the decode worker")
@@ -309,10 +334,12 @@ class Orchestrator:
         timeout, start, last = first_timeout, time.monotonic(), None
         try:
             while True:
-                chunk = await _read(call, w, "decode", legs.deadline, timeout)
+                stall = self.config.leg_timeouts.stall_s(w.rate, w.info.max_step_tokens)
+                chunk = await _read(call, w, "decode", legs.deadline, timeout, stall)
                 if chunk is grpc.aio.EOF:
                     raise _WorkerLost(ServiceError(grpc.StatusCode.UNAVAILABLE,
-                                                   f"decode worker {w.id} ended the stream without finishing"))
+                                                   f"decode worker {w.id} ended the stream without finishing"),
+                                      STREAM_ENDED)
                 now = time.monotonic()
                 if last is None and queued:
                     w.rate.observe_prefill(queued, now - start)
@@ -328,7 +355,7 @@ class Orchestrator:
                     return
         except ServiceError as e:
             if e.code == grpc.StatusCode.UNAVAILABLE:
-                raise _WorkerLost(e) from None
+                raise _WorkerLost.of(e) from None
             raise
         finally:
             call.cancel()
@@ -382,8 +409,10 @@ def _with_recomputed(usage: api_pb2.Usage | None, recomputed: int) -> api_pb2.Us
     return out
 
 
-async def _read(call, w: WorkerHandle, leg: str, deadline: float, leg_timeout: float):
-    """The stream's next message (or grpc.aio.EOF) within the leg timeout and the deadline."""
+async def _read(call, w: WorkerHandle, leg: str, deadline: float, leg_timeout: float, stall_s: float):
+    """The stream's next message (or grpc.aio.EOF) within the leg timeout and the deadline; a
+    worker queueing ours behind other work may take longer while its engine progresses (a step
+    completed within the last `stall_s` seconds)."""
     read = asyncio.ensure_future(call.read())
     try:
         while True:
@@ -393,14 +422,19 @@ async def _read(call, w: WorkerHandle, leg: str, deadline: float, leg_timeout: f
                 return read.result()
             if left <= leg_timeout:
                 raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
-            if _queueing(w, waited_from):
-                continue  # a worker that answers its polls with requests waiting is busy, not lost
-            w.alive = False  # suspect until its Stats answer again (router/pool.py)
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               f"{leg} worker {w.id} sent nothing for {leg_timeout:.1f} s (leg timeout)")
+            if not _queueing(w, waited_from):
+                message, reason = f"{leg} worker {w.id} sent nothing for {leg_timeout:.1f} s (leg timeout)", LEG_TIMEOUT
+            elif (still := time.monotonic() - w.progressed_at) > stall_s:
+                message = (f"{leg} worker {w.id} is wedged: busy, but its engine completed no step for {still:.1f} s "
+                           f"(stall bound {stall_s:.1f} s)")
+                reason = NO_PROGRESS
+            else:
+                continue  # a worker that answers its polls with requests waiting, and progresses, is busy
+            w.suspect(reason)  # no new requests until its Stats answer again (router/pool.py)
+            raise _LegLate(message, reason)
     except grpc.RpcError as e:
         if e.code() == grpc.StatusCode.UNAVAILABLE:
-            w.alive = False
+            w.suspect(WORKER_ERROR)
         raise ServiceError.from_rpc(e, leg) from None
     finally:
         if not read.done():
@@ -409,11 +443,11 @@ async def _read(call, w: WorkerHandle, leg: str, deadline: float, leg_timeout: f
 
 def _queueing(w: WorkerHandle, since: float) -> bool:
     """The worker answered a Stats poll during the wait and has other requests than ours running
-    or waiting: ours is queued behind them (static batching, a long prefill of a burst, a full
-    batch), which a leg timeout derived from its chunk gap does not foresee. A stopped worker
-    misses its polls and a dead engine loop makes Stats fail (worker/server.py): both still count
-    as lost. Cost: an engine wedged inside one step while its gRPC server answers is waited for
-    up to the request's deadline, not migrated."""
+    or waiting: ours may be queued behind them (static batching, a long prefill of a burst, a full
+    batch), which a leg timeout derived from its chunk gap does not foresee. Whether its engine
+    still progresses is the caller's second question (WorkerHandle.progressed_at). A stopped
+    worker misses its polls and a dead engine loop makes Stats fail (worker/server.py): both
+    count as lost at once."""
     return w.alive and w.polled_at > since and w.stats.running + w.stats.waiting > 1
 
 
@@ -424,11 +458,11 @@ async def _unary(w: WorkerHandle, leg: str, method, request, deadline: float, le
         return await method(request, timeout=min(leg_timeout, left))
     except grpc.RpcError as e:
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and left > leg_timeout:
-            w.alive = False  # suspect until its Stats answer again (router/pool.py)
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               f"{leg} worker {w.id} did not answer in {leg_timeout:.1f} s (leg timeout)") from None
+            w.suspect(LEG_TIMEOUT)  # no new requests until its Stats answer again (router/pool.py)
+            raise _LegLate(f"{leg} worker {w.id} did not answer in {leg_timeout:.1f} s (leg timeout)",
+                           LEG_TIMEOUT) from None
         if e.code() == grpc.StatusCode.UNAVAILABLE:
-            w.alive = False
+            w.suspect(WORKER_ERROR)
         raise ServiceError.from_rpc(e, leg) from None
 
 

@@ -7,9 +7,14 @@ and polls Stats with a deadline (``rpc_timeout_s``, 2 s). Liveness: a worker who
 misses its deadline (a stopped process, a wedged host), or whose request leg failed or ran past
 its leg timeout (router/orchestrator.py), is suspect: ``alive`` is False and no new request is
 routed to it; the first poll it answers makes it live again (a resumed process; a restarted one
-re-registers, possibly at a new address). The loop never waits for one worker's poll: a stuck
+re-registers, possibly at a new address) — except a worker found wedged (busy, its engine
+completing no step within the stall bound, reason NO_PROGRESS): it answers its polls all along,
+so it stays suspect until a poll shows its ``engine_steps`` moved or it has nothing left to do.
+Each poll also notes when the worker last made progress (``progressed_at``: its step counter
+moved, or it was idle). The loop never waits for one worker's poll: a stuck
 worker delays nobody else's Stats. Loads combine the worker's last Stats with the
 requests the router has sent it since, so a burst does not all land on one worker.
+Every fall into suspicion is reported once to ``events`` (router/failover_events.py).
 
 KV events: with a ``kv_sync`` (router/kv_sync.py) each poll also pulls the worker's KV events
 into the router's prefix index over gRPC, unless ``kv_events_pushed()`` says a Redis stream
@@ -29,6 +34,7 @@ from proto.internal_auth import client_interceptors
 from proto.model_files import join_chunks
 from proto.tls import TlsFiles
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from router.failover_events import MISSED_POLL, NO_PROGRESS, FailoverEvents
 from router.leg_timeouts import WorkRate
 from router.registry import Registry, WorkerEndpoint
 from router.selection import WorkerLoad
@@ -60,10 +66,41 @@ class WorkerHandle:
     rate: WorkRate = field(default_factory=WorkRate)  # measured speed, for the leg timeouts
     missed_polls: int = 0  # consecutive Stats polls that failed or missed their deadline
     polled_at: float = 0.0  # time.monotonic() of the last Stats that answered
+    progressed_at: float = 0.0  # time.monotonic() of the first poll that saw its engine_steps now (or it idle)
+    wedged_at_steps: int | None = None  # suspect for NO_PROGRESS at this engine_steps: live once it moves
+    events: FailoverEvents = field(default_factory=FailoverEvents, repr=False)
 
     @property
     def id(self) -> str:
         return self.endpoint.id
+
+    @property
+    def busy(self) -> bool:
+        return self.stats.running + self.stats.waiting > 0
+
+    def suspect(self, reason: str) -> None:
+        """No new requests until it answers a poll again (router/failover_events.py reasons);
+        NO_PROGRESS: until a poll shows its engine progressed."""
+        if reason == NO_PROGRESS:
+            self.wedged_at_steps = self.stats.engine_steps
+        if self.alive:
+            self.events.worker_suspect(self.endpoint.role, reason)
+        self.alive = False
+
+    def observe(self, stats: worker_pb2.WorkerStats, now: float) -> None:
+        """An answered poll: progress, and live again (a wedged worker only once it progressed)."""
+        if stats.engine_steps != self.stats.engine_steps or not (stats.running + stats.waiting) \
+                or not self.progressed_at:
+            self.progressed_at = now
+        self.stats, self.polled_at = stats, now
+        if self.wedged_at_steps is not None:
+            if stats.engine_steps == self.wedged_at_steps and self.busy:
+                return  # still wedged: answering, but no step completed
+            self.wedged_at_steps = None
+            log.info("worker %s progresses again (engine_steps %d): live", self.id, stats.engine_steps)
+        if not self.alive or self.missed_polls:
+            log.info("worker %s answers again after %d missed polls: live", self.id, self.missed_polls)
+        self.alive, self.missed_polls = True, 0
 
     def load(self) -> WorkerLoad:
         s = self.stats
@@ -73,8 +110,10 @@ class WorkerHandle:
 
 class WorkerPool:
     def __init__(self, registry: Registry, poll_interval_s: float = 0.2, rpc_timeout_s: float = RPC_TIMEOUT_S,
-                 kv_sync=None, internal_secret: str | None = None, internal_tls: TlsFiles | None = None) -> None:
+                 kv_sync=None, internal_secret: str | None = None, internal_tls: TlsFiles | None = None,
+                 events: FailoverEvents | None = None) -> None:
         self._registry = registry
+        self.events = events or FailoverEvents()
         self._tls = internal_tls.channel_credentials() if internal_tls else None  # workers serve TLS
         self._interceptors = client_interceptors(internal_secret)  # every call carries the cluster's secret
         self.kv_sync = kv_sync
@@ -112,9 +151,6 @@ class WorkerPool:
     def loads(self, role: str) -> list[WorkerLoad]:
         return [w.load() for w in self.workers(role)]
 
-    def mark_dead(self, worker_id: str) -> None:
-        if w := self._workers.get(worker_id):
-            w.alive = False
 
     def any_info(self) -> worker_pb2.WorkerInfo | None:
         return next((w.info for w in self._workers.values() if w.alive), None)
@@ -174,22 +210,19 @@ class WorkerPool:
             log.info("worker %s at %s not reachable yet: %s", e.id, e.address, err.code())
             await channel.close()
             return
-        self._workers[e.id] = WorkerHandle(e, channel, stub, info)
+        self._workers[e.id] = WorkerHandle(e, channel, stub, info, events=self.events)
         self.changed.set()
 
     async def _poll_stats(self, w: WorkerHandle) -> None:
         try:
-            w.stats = await w.stub.Stats(worker_pb2.StatsRequest(), timeout=self._rpc_timeout_s)
+            stats = await w.stub.Stats(worker_pb2.StatsRequest(), timeout=self._rpc_timeout_s)
         except grpc.RpcError as e:
             w.missed_polls += 1
             if w.alive or w.missed_polls == 1:
                 log.warning("worker %s missed a Stats poll (%s): suspect, no new requests", w.id, e.code().name)
-            w.alive = False
+            w.suspect(MISSED_POLL)
             return
         w.booked_at_poll, w.inflight_at_poll = w.booked_decode_blocks, w.inflight
-        w.polled_at = time.monotonic()
-        if not w.alive or w.missed_polls:
-            log.info("worker %s answers again after %d missed polls: live", w.id, w.missed_polls)
-        w.alive, w.missed_polls = True, 0
+        w.observe(stats, time.monotonic())
         if self.kv_sync is not None and not self.kv_events_pushed():
             await self.kv_sync.poll(w)

@@ -3,8 +3,11 @@
 The fake workers are real grpc.aio servers on 127.0.0.1 speaking the worker API, with a
 deterministic "model" (token i of a request depends only on its prompt and i), so a migrated
 stream can be compared with an uninterrupted one exactly. Faults: a stream that dies
-(UNAVAILABLE) or stalls after k tokens, a Prefill or Stats that never answers. No model, no Ray:
-the real-cluster versions are tests/test_serving_failover.py.
+(UNAVAILABLE), stalls or pauses after k tokens, a Prefill or Stats that never answers, Stats
+reporting other requests with an engine step counter that moves (busy) or stands still (wedged).
+Every failover is also checked in the FailoverEvents the orchestrator and pool report (their
+reasons; router/metrics.py counts them). No model, no Ray: the real-cluster versions are
+tests/test_serving_failover.py.
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ import pytest
 
 from proto.pdserve.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 from router.errors import ServiceError
+from router.failover_events import FailoverEvents
 from router.leg_timeouts import LegTimeouts, WorkRate
 from router.orchestrator import FlowConfig, Orchestrator
 from router.pool import WorkerPool
 from router.registry import StaticRegistry, WorkerEndpoint
 
 FAST = LegTimeouts(floor_s=0.5, slack=2.0, default_s_per_token=0.001, default_gap_s=0.05)
+STEP_TOKENS = 1024  # the fake workers' step budget (WorkerInfo.max_step_tokens), for the stall bound
 
 
 def token(prompt: list[int], i: int) -> int:
@@ -30,34 +35,58 @@ def token(prompt: list[int], i: int) -> int:
 
 
 class Faults:
-    """Shared by a cluster's workers: the first `streams` streams (any worker) die (UNAVAILABLE)
-    or go silent after `after` tokens."""
+    """Shared by a cluster's workers: the first `streams` streams (any worker) die (UNAVAILABLE),
+    go silent, or pause for `pause_s` after `after` tokens."""
 
     def __init__(self) -> None:
-        self.kind: str | None = None   # "die" | "stall"
+        self.kind: str | None = None   # "die" | "stall" | "pause"
         self.after = 0
         self.streams = 1
+        self.pause_s = 0.0
+
+
+class Events(FailoverEvents):
+    """Records what the orchestrator and the pool report."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, ...]] = []
+
+    def migration(self, reason: str) -> None:
+        self.seen.append(("migration", reason))
+
+    def prefill_failover(self, reason: str) -> None:
+        self.seen.append(("prefill_failover", reason))
+
+    def worker_suspect(self, role: str, reason: str) -> None:
+        self.seen.append(("suspect", role, reason))
 
 
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
-    """faults: see Faults. stall_prefill / stall_stats: Prefill / Stats never answer."""
+    """faults: see Faults. stall_prefill / stall_stats: Prefill / Stats never answer. others: the
+    requests besides ours Stats reports running (0: none, the worker reports itself idle);
+    progressing: its engine_steps moves at each Stats (False: stands still, a wedged step)."""
 
     def __init__(self, wid: str, role: str, faults: Faults) -> None:
         self.wid, self.role, self.faults = wid, role, faults
         self.stall_prefill = False
         self.stall_stats = False
+        self.others = 0
+        self.progressing = True
+        self.steps = 0
         self.calls: list[tuple[str, str, tuple[int, ...]]] = []  # (rpc, request id, resume tokens)
         self.reserved: dict[str, list[int]] = {}
         self.aborted: list[str] = []
 
     async def Info(self, request, context):
         return worker_pb2.WorkerInfo(id=self.wid, role=self.role, model_id="fake", max_model_len=4096,
-                                     block_size=16, eos_token_ids=[2])
+                                     block_size=16, eos_token_ids=[2], max_step_tokens=STEP_TOKENS)
 
     async def Stats(self, request, context):
         if self.stall_stats:
             await asyncio.sleep(3600)
-        return worker_pb2.WorkerStats(kv_blocks_total=1000, running=0, waiting=0)
+        self.steps += self.progressing
+        return worker_pb2.WorkerStats(kv_blocks_total=1000, running=self.others + (self.others > 0), waiting=0,
+                                      engine_steps=self.steps)
 
     async def ModelFiles(self, request, context):
         return
@@ -98,8 +127,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         for i in range(start, max_tokens):
             if faulty and i >= f.after and f.kind == "die":
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "injected death")
+            if faulty and i >= f.after and f.kind == "wedge":  # silent, Stats still answer, engine_steps stand still
+                self.progressing = False
+                await asyncio.sleep(3600)
             if faulty and i >= f.after and f.kind == "stall":
                 await asyncio.sleep(3600)
+            if faulty and i == f.after and f.kind == "pause":
+                await asyncio.sleep(f.pause_s)
             await asyncio.sleep(0.005)
             last = i == max_tokens - 1
             chunk = worker_pb2.TokenChunk(token_ids=[token(prompt, i)], finish_reason="length" if last else "")
@@ -132,7 +166,9 @@ class Cluster:
             await server.start()
             self.workers[wid], self.servers = fake, [*self.servers, server]
             self.endpoints.append(WorkerEndpoint(wid, role, f"127.0.0.1:{port}"))
-        self.pool = WorkerPool(StaticRegistry(self.endpoints), poll_interval_s=0.05, rpc_timeout_s=0.3)
+        self.events = Events()
+        self.pool = WorkerPool(StaticRegistry(self.endpoints), poll_interval_s=0.05, rpc_timeout_s=0.3,
+                               events=self.events)
         await self.pool.start()
         return self
 
@@ -175,6 +211,7 @@ def test_decode_worker_death_mid_stream_migrates_with_the_same_tokens():
     assert gen[0][1][2] == tuple(WANT[:3]) and gen[0][1][1] == "r1~1"
     assert died.aborted == ["r1"]
     assert usage.recomputed_tokens == len(PROMPT) + 3 and usage.completion_tokens == 8
+    assert c.events.seen == [("suspect", "decode", "worker_error"), ("migration", "worker_error")]
 
 
 def test_stalled_decode_stream_migrates_within_its_leg_timeout():
@@ -192,10 +229,11 @@ def test_stalled_decode_stream_migrates_within_its_leg_timeout():
                     waited = time.monotonic() - t_stall
             await orch.drain()
             stalled = next(w for w in c.workers.values() if w.aborted)
-            return got, waited, stalled, c.pool.get(stalled.wid).alive
+            return got, waited, stalled, c.events.seen
 
-    got, waited, stalled, alive = asyncio.run(go())
+    got, waited, stalled, events = asyncio.run(go())
     assert got == WANT and stalled.aborted == ["r1"]
+    assert events == [("suspect", "agg", "leg_timeout"), ("migration", "leg_timeout")]
     # the bound: floor + slack x the measured gap (5 ms here), plus one stream start
     assert FAST.floor_s <= waited < FAST.floor_s + 1.0, waited
 
@@ -216,6 +254,8 @@ def test_stuck_prefill_is_abandoned_and_prefilled_on_the_decode_worker():
     assert p.aborted == ["r1"] and d.aborted == ["r1"]  # the abandoned try: P, then its reservation
     assert usage.recomputed_tokens == len(PROMPT)
     assert took < FAST.prefill_s(WorkRate(), 3 * 16) + 1.0, took
+    assert c.events.seen == [("suspect", "prefill", "leg_timeout"), ("prefill_failover", "leg_timeout"),
+                             ("prefill_failover", "no_prefill_worker")]
 
 
 def test_migration_limit_zero_fails_the_stream():
@@ -240,7 +280,73 @@ def test_a_worker_missing_its_polls_is_suspect_until_it_answers_again():
             got, _ = await c.run(c.orchestrator(), PROMPT)
             c.workers["p0"].stall_stats = False
             await asyncio.sleep(0.6)
-            return suspect, decode_polled, got, p.alive, c.workers["p0"].calls
+            return suspect, decode_polled, got, p.alive, c.workers["p0"].calls, c.events.seen
 
-    suspect, decode_missed, got, back, p_calls = asyncio.run(go())
+    suspect, decode_missed, got, back, p_calls, events = asyncio.run(go())
     assert suspect is False and decode_missed == 0 and got == WANT and p_calls == [] and back is True
+    assert events == [("suspect", "prefill", "missed_poll")]  # once, not once per missed poll
+
+
+async def _timed_run(c: Cluster, orch: Orchestrator, gap_at: int) -> tuple[list[int], float]:
+    """(tokens, seconds between token gap_at - 1 and token gap_at) of one request."""
+    loop = asyncio.get_running_loop()
+    got, t_last, waited = [], None, None
+    async for t in orch.run("r1", PROMPT, api_pb2.SamplingOptions(max_tokens=8), loop.time() + 30):
+        got += t.token_ids
+        if len(got) == gap_at:
+            t_last = time.monotonic()
+        if len(got) == gap_at + 1:
+            waited = time.monotonic() - t_last
+    await orch.drain()
+    return got, waited
+
+
+def test_busy_worker_whose_engine_progresses_is_waited_for_not_migrated():
+    """The static-batching / queued case (581c658): the stream sends nothing for longer than its leg
+    timeout and the stall bound, while the worker answers its polls with other requests running
+    and its engine_steps moving: ours is queued, not lost; it finishes there, no migration."""
+    async def go():
+        async with Cluster([("d0", "agg"), ("d1", "agg")]) as c:
+            for w in c.workers.values():
+                w.others = 3
+            c.faults.kind, c.faults.after, c.faults.pause_s = "pause", 2, 2.5
+            orch = c.orchestrator(mode="agg")
+            got, waited = await _timed_run(c, orch, 2)
+            w = next(h for h in c.pool.workers() if c.workers[h.id].calls)
+            return c, got, waited, orch, FAST.chunk_s(w.rate), FAST.stall_s(w.rate, STEP_TOKENS)
+
+    c, got, waited, orch, chunk_s, stall_s = asyncio.run(go())
+    assert got == WANT and orch.migrations == 0 and c.events.seen == []
+    assert waited >= 2.5 > max(chunk_s, stall_s), (waited, chunk_s, stall_s)  # both bounds were passed
+    assert sum(len(w.calls) for w in c.workers.values()) == 1
+
+
+def test_wedged_worker_that_answers_its_polls_is_migrated_after_the_stall_bound():
+    """An engine wedged inside one step: the stream goes silent, the worker still answers Stats with
+    other requests running, but engine_steps stands still. Past the stall bound (floor + slack x
+    max_step_tokens x measured s/token; router/leg_timeouts.py) it is suspect (no_progress) and the
+    request migrates with the same tokens; it stays suspect while it answers without progress, and
+    is live again once its counter moves."""
+    async def go():
+        async with Cluster([("d0", "agg"), ("d1", "agg")]) as c:
+            for w in c.workers.values():
+                w.others = 3
+            c.faults.kind, c.faults.after = "wedge", 2
+            orch = c.orchestrator(mode="agg")
+            got, waited = await _timed_run(c, orch, 2)
+            wedged = next(w for w in c.workers.values() if not w.progressing)
+            handle = c.pool.get(wedged.wid)
+            stall_s, chunk_s = FAST.stall_s(handle.rate, STEP_TOKENS), FAST.chunk_s(handle.rate)
+            await asyncio.sleep(0.5)  # ~10 answered polls without progress
+            held = handle.alive
+            wedged.progressing = True
+            await asyncio.sleep(0.3)
+            return c, got, waited, orch, wedged, stall_s, chunk_s, held, handle.alive
+
+    c, got, waited, orch, wedged, stall_s, chunk_s, held, back = asyncio.run(go())
+    assert got == WANT and orch.migrations == 1 and wedged.aborted == ["r1"]
+    # found at the first leg-timeout check past the bound (the counter is seen every 50 ms poll)
+    print(f"wedged: migrated after {waited:.2f} s (stall bound {stall_s:.2f} s, leg timeout {chunk_s:.2f} s)")
+    assert stall_s <= waited + 0.06 < stall_s + chunk_s + 0.6, (waited, stall_s, chunk_s)
+    assert c.events.seen == [("suspect", "agg", "no_progress"), ("migration", "no_progress")]
+    assert held is False and back is True

@@ -6,6 +6,12 @@
   worker answers its polls and is used again; nothing leaks.
 - SIGKILL of a decode worker at half load: every request completes with its full token count
   (migrated to the other decode worker) and the greedy texts equal a run without the kill.
+- A decode engine wedged inside one step (worker/faults.py: its gRPC server still answers Stats,
+  with four requests running, its engine_steps standing still): past the stall bound every one of
+  its requests, streamed and not, over HTTP, migrates to the other decode worker with the greedy
+  text of an unwedged run and ``usage.recomputed_tokens`` counting the prompt and the tokens
+  already sent; the worker stays suspect while wedged and is live again once its step runs.
+Each also reads the router's failover counters from a /metrics scrape (router/metrics.py).
 The same logic against fake workers, with exact timings: tests/test_failover.py.
 """
 
@@ -17,6 +23,7 @@ import signal
 import time
 
 import grpc
+import httpx
 import pytest
 
 from proto.pdserve.v1 import api_pb2, api_pb2_grpc
@@ -33,17 +40,36 @@ BOUND_S = 45.0
 
 
 @pytest.fixture(scope="module")
-def serving(ray_session):
+def wedge_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("wedge")
+
+
+@pytest.fixture(scope="module")
+def serving(ray_session, wedge_dir):
     from deploy.cluster import ClusterSpec
     from deploy.local_cluster import LocalServing
     from router.app import RouterConfig
     from router.leg_timeouts import LegTimeouts
 
-    spec = ClusterSpec(mode="disagg", kv_transport="tcp", num_prefill=1, num_decode=2, num_blocks=256)
-    config = RouterConfig(port=0, http_port=None, mode="disagg", leg_timeouts=LegTimeouts(floor_s=2.0, slack=3.0),
+    spec = ClusterSpec(mode="disagg", kv_transport="tcp", num_prefill=1, num_decode=2, num_blocks=256,
+                       engine_wedge_file=str(wedge_dir / "{worker_id}"))
+    config = RouterConfig(port=0, http_port=0, mode="disagg", leg_timeouts=LegTimeouts(floor_s=2.0, slack=3.0),
                           worker_rpc_timeout_s=1.0)
     with LocalServing(spec, config) as s:
         yield s
+
+
+def counter(metrics_text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of counter `name` (its _total) whose labels include `labels`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(sample.value for family in text_string_to_metric_families(metrics_text)
+               for sample in family.samples
+               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+
+
+def scrape(http_address: str) -> str:
+    return httpx.get(f"http://{http_address}/metrics", timeout=10).text
 
 
 def _prompts(n: int) -> list[str]:
@@ -82,13 +108,19 @@ def test_prefill_worker_sigstop_fails_over_and_is_used_again(serving):
             later = [asyncio.create_task(_one(stub, p)) for p in prompts[8:16]]
             return await asyncio.gather(*first, *later), stopped
 
+    failovers = s.router.orchestrator.prefill_failovers
     try:
         results, stopped = s.call(storm(), 300)
     finally:
         os.kill(pid, signal.SIGCONT)
     outcomes = [r for r, _, _ in results]
+    metrics = scrape(s.router.endpoints.http)
     print(f"SIGSTOP: outcomes {outcomes}, slowest {max(t for *_, t in results):.1f} s, "
-          f"failovers {s.router.orchestrator.prefill_failovers}")
+          f"failovers {s.router.orchestrator.prefill_failovers - failovers}")
+    # every failover counted, by reason: legs late past their timeout, then prefilled on D
+    assert counter(metrics, "pdserve:prefill_failovers_total") == s.router.orchestrator.prefill_failovers
+    assert counter(metrics, "pdserve:prefill_failovers_total", reason="leg_timeout") >= 1
+    assert counter(metrics, "pdserve:worker_suspect_total", role="prefill") >= 1
     assert all(r in ("ok", "UNAVAILABLE") for r in outcomes), results
     assert all(t <= BOUND_S for *_, t in results), results
     assert all(len(ids) == MAX_TOKENS for r, ids, _ in results if r == "ok"), results
@@ -112,6 +144,97 @@ def test_prefill_worker_sigstop_fails_over_and_is_used_again(serving):
     assert_idle(s, 60)
 
 
+WEDGE_TOKENS = 32
+
+
+def test_decode_engine_wedged_inside_a_step_is_migrated_past_the_stall_bound(serving, wedge_dir):
+    """A second router sees only decode-0 at first, so all four requests (two streamed, two not,
+    over HTTP) decode there; decode-0's engine then wedges inside a step while its gRPC server
+    answers Stats (four running, engine_steps still), and decode-1 joins the router's registry.
+    Past the stall bound (2 + 3 x 512 step tokens x 0.002 s/token unmeasured = 5.1 s), checked
+    at each leg timeout, every request migrates to decode-1: the greedy texts of an unwedged run,
+    recomputed_tokens = prompt + the tokens sent before the move, counted on /metrics as
+    no_progress; decode-0 stays suspect while it answers without progress, live once unwedged."""
+    from router.leg_timeouts import LegTimeouts
+    from tests.test_serving import _side_router
+
+    s = serving
+    prompts = _prompts(4)
+    show = {"decode-1": False}
+
+    async def visible():
+        return [w for w in await s.controller.list_workers() if w.id != "decode-1" or show["decode-1"]]
+
+    async def one(c: httpx.AsyncClient, base: str, prompt: str, stream: bool, streamed: list[int]):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": WEDGE_TOKENS, "temperature": 0, "ignore_eos": True,
+                "stream": stream}
+        if not stream:
+            r = await c.post(f"{base}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"], r.json()["usage"]
+        text, usage = [], None
+        body["stream_options"] = {"include_usage": True}
+        async with c.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    import json
+
+                    chunk = json.loads(line[6:])
+                    assert "error" not in chunk, chunk
+                    if chunk["choices"]:
+                        text.append(chunk["choices"][0]["text"])
+                        streamed[0] += 1
+                    usage = chunk.get("usage") or usage
+        return "".join(text), usage
+
+    async def run():
+        router, ep = await _side_router(s, visible, http_port=0, leg_timeouts=LegTimeouts(
+            floor_s=2.0, slack=3.0, default_s_per_token=0.002), worker_rpc_timeout_s=1.0)
+        base, d0 = f"http://{ep.http}", router.pool.get("decode-0")
+        try:
+            async with httpx.AsyncClient() as c:
+                async def all_four(streamed):
+                    return [asyncio.create_task(one(c, base, p, i % 2 == 0, streamed)) for i, p in enumerate(prompts)]
+
+                baseline = await asyncio.gather(*all_four([0]))
+                streamed = [0]
+                tasks = all_four(streamed)
+                end = time.monotonic() + 60
+                while d0.stats.running < 4 or streamed[0] < 4:  # all four decoding on decode-0
+                    assert time.monotonic() < end and not any(t.done() for t in tasks), (d0.stats, streamed)
+                    await asyncio.sleep(0.01)
+                (wedge_dir / "decode-0").touch()
+                wedged_at, show["decode-1"] = time.monotonic(), True
+                wedged = await asyncio.gather(*tasks)
+                took = time.monotonic() - wedged_at
+                await asyncio.sleep(1.0)  # ~5 polls answered without progress
+                held = d0.alive
+            metrics = scrape(ep.http)
+        finally:
+            (wedge_dir / "decode-0").unlink(missing_ok=True)
+        end = time.monotonic() + 60
+        while not d0.alive:
+            assert time.monotonic() < end, "decode-0 not live again after its step ran"
+            await asyncio.sleep(0.1)
+        await router.orchestrator.drain()
+        await router.stop()
+        return baseline, wedged, took, held, metrics, router.orchestrator.migrations
+
+    baseline, wedged, took, held, metrics, migrations = s.call(run(), 300)
+    print(f"wedged decode engine: 4 requests migrated {took:.1f} s after the wedge; recomputed "
+          f"{[u['recomputed_tokens'] for _, u in wedged]} of prompts {[u['prompt_tokens'] for _, u in wedged]}")
+    assert [t for t, _ in wedged] == [t for t, _ in baseline] and all(t for t, _ in baseline)
+    for (_, u), (_, b) in zip(wedged, baseline):
+        assert u["completion_tokens"] == WEDGE_TOKENS and b["recomputed_tokens"] == 0
+        assert u["prompt_tokens"] < u["recomputed_tokens"] < u["prompt_tokens"] + WEDGE_TOKENS, u
+    assert migrations == 4 and 5.0 < took < 60, took
+    assert counter(metrics, "pdserve:request_migrations_total", reason="no_progress") == 4
+    assert counter(metrics, "pdserve:worker_suspect_total", role="decode", reason="no_progress") == 1
+    assert held is False
+    assert_idle(s, 60)
+
+
 def test_decode_worker_sigkill_at_half_load_migrates_with_equal_texts(serving):
     s = serving
     prompts = _prompts(8)
@@ -131,8 +254,14 @@ def test_decode_worker_sigkill_at_half_load_migrates_with_equal_texts(serving):
     assert all(r == "ok" for r, _, _ in baseline), baseline
     migrations = s.router.orchestrator.migrations
     victim = s.call(s.controller.worker_pid("decode-1"))
+    before = counter(scrape(s.router.endpoints.http), "pdserve:request_migrations_total")
     killed = s.call(run(victim), 300)
     moved = s.router.orchestrator.migrations - migrations
+    metrics = scrape(s.router.endpoints.http)
+    # a killed worker's streams fail UNAVAILABLE or end unfinished
+    assert counter(metrics, "pdserve:request_migrations_total") - before == moved
+    assert counter(metrics, "pdserve:request_migrations_total", reason="worker_error") + \
+        counter(metrics, "pdserve:request_migrations_total", reason="stream_ended") >= moved
     print(f"SIGKILL: outcomes {[r for r, _, _ in killed]}, migrated {moved}, "
           f"slowest {max(t for *_, t in killed):.1f} s (baseline {max(t for *_, t in baseline):.1f} s)")
     assert all(r == "ok" and len(ids) == MAX_TOKENS for r, ids, _ in killed), killed

@@ -76,6 +76,7 @@ class WorkerConfig:
     tls: TlsFiles | None = None    # serve the worker API over TLS (proto/tls.py)
     kv_checksum: bool = False      # debug: digest each request's KV on both sides, refuse a mismatch (kv_transfer/checksum.py)
     kv_faults: str = ""            # debug: fault injection on the KV transport (kv_transfer/faults.py FaultSpec.parse)
+    engine_wedge_file: str = ""    # test fault: the engine step waits while this file exists (worker/faults.py)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "agg"):
@@ -123,6 +124,10 @@ class WorkerCore:
         block_manager = getattr(getattr(engine, "engine", None), "block_manager", None)
         if block_manager is not None:
             self.kv_events.attach(block_manager)
+        if config.engine_wedge_file:  # test fault only: unset, the engine is not wrapped
+            from worker.faults import install_step_wedge, wedge_path
+
+            install_step_wedge(engine, wedge_path(config.engine_wedge_file, config.worker_id))
 
     # -- checks -----------------------------------------------------------------------------------
     def check(self, prompt_ids: list[int], wire: api_pb2.SamplingOptions, **override) -> SamplingParams:
@@ -183,7 +188,16 @@ class WorkerCore:
         return worker_pb2.WorkerInfo(
             id=self.config.worker_id, role=self.config.role, model_id=self.model_id,
             max_model_len=self.max_model_len, eos_token_ids=list(mc.eos_token_ids), block_size=self.config.block_size,
-            kv_transport="" if self.config.role == "agg" else self.config.kv_transport, kv_metadata=self.kv_metadata)
+            kv_transport="" if self.config.role == "agg" else self.config.kv_transport, kv_metadata=self.kv_metadata,
+            max_step_tokens=self.max_step_tokens)
+
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens one engine step computes: its token budget, or the idle one when larger
+        (a prefill worker keeps its chunks: worker/server.py load_engine)."""
+        c = self.config
+        idle = c.idle_max_num_batched_tokens if c.role != "prefill" else None
+        return max(c.max_num_batched_tokens, idle or 0)
 
     @property
     def model_id(self) -> str:
@@ -201,7 +215,8 @@ class WorkerCore:
                                       kv_blocks_held=held, running=s.running, waiting=s.waiting,
                                       prefix_cache_hit_tokens=getattr(s, "prefix_cache_hit_tokens", 0),
                                       leases=leases, spec_draft_tokens=s.spec_num_draft_tokens,
-                                      spec_accepted_tokens=s.spec_num_accepted_tokens)
+                                      spec_accepted_tokens=s.spec_num_accepted_tokens,
+                                      engine_steps=getattr(s, "num_steps", 0))
 
     def kv_event_batch(self, epoch: str, after_seq: int, snapshot: bool = False) -> worker_pb2.KvEventsResponse:
         """KV events after (epoch, after_seq), or a snapshot when they cannot be replayed."""

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto.pdserve.v1 import api_pb2 as proto_dot_pdserve_dot_v1_dot_api__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dproto/pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1aproto/pdserve/v1/api.proto\"\r\n\x0bInfoRequest\"\xba\x01\n\nWorkerInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x14\n\x0ckv_transport\x18\x08 \x01(\t\x12\x13\n\x0bkv_metadata\x18\t \x01(\x0cJ\x04\x08\x04\x10\x05R\rtokenizer_dir\"\x13\n\x11ModelFilesRequest\"\'\n\tFileChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x0e\n\x0cStatsRequest\"\xe2\x01\n\x0bWorkerStats\x12\x17\n\x0fkv_blocks_total\x18\x01 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x02 \x01(\x05\x12\x16\n\x0ekv_blocks_held\x18\x03 \x01(\x05\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0f\n\x07waiting\x18\x05 \x01(\x05\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x06 \x01(\x03\x12\x0e\n\x06leases\x18\x07 \x01(\x05\x12\x19\n\x11spec_draft_tokens\x18\x08 \x01(\x03\x12\x1c\n\x14spec_accepted_tokens\x18\t \x01(\x03\"\x84\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\"\x96\x01\n\rKVDestination\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bkv_metadata\x18\x02 \x01(\x0c\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\x05\x12\x19\n\x11reservation_epoch\x18\x05 \x01(\x04\x12\x14\n\x0c\x65xpires_unix\x18\x06 \x01(\x01\"]\n\x0fReserveResponse\x12.\n\x0b\x64\x65stination\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\x1a\n\x12lease_expires_unix\x18\x02 \x01(\x01\"\xb3\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12.\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\x14\n\x0chold_seconds\x18\x05 \x01(\x01\"\xd4\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x03\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12/\n\rfirst_logprob\x18\x06 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x13\n\x0bkv_checksum\x18\x07 \x01(\t\"P\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x13\n\x0bkv_checksum\x18\x03 \x01(\t\"\x8e\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x18\n\x10resume_token_ids\x18\x04 \x03(\x05\"\x84\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"<\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10senders_quiesced\x18\x02 \x01(\x08\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"E\n\x0fKvEventsRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x03\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\"~\n\x10KvEventsResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x0f\n\x07records\x18\x02 \x03(\t\x12\x13\n\x0bis_snapshot\x18\x03 \x01(\x08\x12\x0b\n\x03seq\x18\x04 \x01(\x03\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x04\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x32\x9c\x05\n\x06Worker\x12\x37\n\x04Info\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12=\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12G\n\x08Generate\x12!.pdserve.v1.WorkerGenerateRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x45\n\x08KvEvents\x12\x1b.pdserve.v1.KvEventsRequest\x1a\x1c.pdserve.v1.KvEventsResponse\x12\x44\n\nModelFiles\x12\x1d.pdserve.v1.ModelFilesRequest\x1a\x15.pdserve.v1.FileChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dproto/pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1aproto/pdserve/v1/api.proto\"\r\n\x0bInfoRequest\"\xd3\x01\n\nWorkerInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x14\n\x0ckv_transport\x18\x08 \x01(\t\x12\x13\n\x0bkv_metadata\x18\t \x01(\x0c\x12\x17\n\x0fmax_step_tokens\x18\n \x01(\x05J\x04\x08\x04\x10\x05R\rtokenizer_dir\"\x13\n\x11ModelFilesRequest\"\'\n\tFileChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x0e\n\x0cStatsRequest\"\xf8\x01\n\x0bWorkerStats\x12\x17\n\x0fkv_blocks_total\x18\x01 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x02 \x01(\x05\x12\x16\n\x0ekv_blocks_held\x18\x03 \x01(\x05\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0f\n\x07waiting\x18\x05 \x01(\x05\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x06 \x01(\x03\x12\x0e\n\x06leases\x18\x07 \x01(\x05\x12\x19\n\x11spec_draft_tokens\x18\x08 \x01(\x03\x12\x1c\n\x14spec_accepted_tokens\x18\t \x01(\x03\x12\x14\n\x0c\x65ngine_steps\x18\n \x01(\x03\"\x84\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\"\x96\x01\n\rKVDestination\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bkv_metadata\x18\x02 \x01(\x0c\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\x05\x12\x19\n\x11reservation_epoch\x18\x05 \x01(\x04\x12\x14\n\x0c\x65xpires_unix\x18\x06 \x01(\x01\"]\n\x0fReserveResponse\x12.\n\x0b\x64\x65stination\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\x1a\n\x12lease_expires_unix\x18\x02 \x01(\x01\"\xb3\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12.\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\x14\n\x0chold_seconds\x18\x05 \x01(\x01\"\xd4\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x03\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12/\n\rfirst_logprob\x18\x06 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x13\n\x0bkv_checksum\x18\x07 \x01(\t\"P\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x13\n\x0bkv_checksum\x18\x03 \x01(\t\"\x8e\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x18\n\x10resume_token_ids\x18\x04 \x03(\x05\"\x84\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"<\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10senders_quiesced\x18\x02 \x01(\x08\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"E\n\x0fKvEventsRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x03\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\"~\n\x10KvEventsResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x0f\n\x07records\x18\x02 \x03(\t\x12\x13\n\x0bis_snapshot\x18\x03 \x01(\x08\x12\x0b\n\x03seq\x18\x04 \x01(\x03\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x04\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x32\x9c\x05\n\x06Worker\x12\x37\n\x04Info\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12=\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12G\n\x08Generate\x12!.pdserve.v1.WorkerGenerateRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x45\n\x08KvEvents\x12\x1b.pdserve.v1.KvEventsRequest\x1a\x1c.pdserve.v1.KvEventsResponse\x12\x44\n\nModelFiles\x12\x1d.pdserve.v1.ModelFilesRequest\x1a\x15.pdserve.v1.FileChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,43 +35,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFOREQUEST']._serialized_start=73
   _globals['_INFOREQUEST']._serialized_end=86
   _globals['_WORKERINFO']._serialized_start=89
-  _globals['_WORKERINFO']._serialized_end=275
-  _globals['_MODELFILESREQUEST']._serialized_start=277
-  _globals['_MODELFILESREQUEST']._serialized_end=296
-  _globals['_FILECHUNK']._serialized_start=298
-  _globals['_FILECHUNK']._serialized_end=337
-  _globals['_STATSREQUEST']._serialized_start=339
-  _globals['_STATSREQUEST']._serialized_end=353
-  _globals['_WORKERSTATS']._serialized_start=356
-  _globals['_WORKERSTATS']._serialized_end=582
-  _globals['_RESERVEREQUEST']._serialized_start=585
-  _globals['_RESERVEREQUEST']._serialized_end=717
-  _globals['_KVDESTINATION']._serialized_start=720
-  _globals['_KVDESTINATION']._serialized_end=870
-  _globals['_RESERVERESPONSE']._serialized_start=872
-  _globals['_RESERVERESPONSE']._serialized_end=965
-  _globals['_PREFILLREQUEST']._serialized_start=968
-  _globals['_PREFILLREQUEST']._serialized_end=1147
-  _globals['_PREFILLRESPONSE']._serialized_start=1150
-  _globals['_PREFILLRESPONSE']._serialized_end=1362
-  _globals['_DECODEREQUEST']._serialized_start=1364
-  _globals['_DECODEREQUEST']._serialized_end=1444
-  _globals['_WORKERGENERATEREQUEST']._serialized_start=1447
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=1589
-  _globals['_TOKENCHUNK']._serialized_start=1592
-  _globals['_TOKENCHUNK']._serialized_end=1724
-  _globals['_RELEASEREQUEST']._serialized_start=1726
-  _globals['_RELEASEREQUEST']._serialized_end=1762
-  _globals['_RELEASERESPONSE']._serialized_start=1764
-  _globals['_RELEASERESPONSE']._serialized_end=1781
-  _globals['_ABORTREQUEST']._serialized_start=1783
-  _globals['_ABORTREQUEST']._serialized_end=1843
-  _globals['_ABORTRESPONSE']._serialized_start=1845
-  _globals['_ABORTRESPONSE']._serialized_end=1875
-  _globals['_KVEVENTSREQUEST']._serialized_start=1877
-  _globals['_KVEVENTSREQUEST']._serialized_end=1946
-  _globals['_KVEVENTSRESPONSE']._serialized_start=1948
-  _globals['_KVEVENTSRESPONSE']._serialized_end=2074
-  _globals['_WORKER']._serialized_start=2077
-  _globals['_WORKER']._serialized_end=2745
+  _globals['_WORKERINFO']._serialized_end=300
+  _globals['_MODELFILESREQUEST']._serialized_start=302
+  _globals['_MODELFILESREQUEST']._serialized_end=321
+  _globals['_FILECHUNK']._serialized_start=323
+  _globals['_FILECHUNK']._serialized_end=362
+  _globals['_STATSREQUEST']._serialized_start=364
+  _globals['_STATSREQUEST']._serialized_end=378
+  _globals['_WORKERSTATS']._serialized_start=381
+  _globals['_WORKERSTATS']._serialized_end=629
+  _globals['_RESERVEREQUEST']._serialized_start=632
+  _globals['_RESERVEREQUEST']._serialized_end=764
+  _globals['_KVDESTINATION']._serialized_start=767
+  _globals['_KVDESTINATION']._serialized_end=917
+  _globals['_RESERVERESPONSE']._serialized_start=919
+  _globals['_RESERVERESPONSE']._serialized_end=1012
+  _globals['_PREFILLREQUEST']._serialized_start=1015
+  _globals['_PREFILLREQUEST']._serialized_end=1194
+  _globals['_PREFILLRESPONSE']._serialized_start=1197
+  _globals['_PREFILLRESPONSE']._serialized_end=1409
+  _globals['_DECODEREQUEST']._serialized_start=1411
+  _globals['_DECODEREQUEST']._serialized_end=1491
+  _globals['_WORKERGENERATEREQUEST']._serialized_start=1494
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=1636
+  _globals['_TOKENCHUNK']._serialized_start=1639
+  _globals['_TOKENCHUNK']._serialized_end=1771
+  _globals['_RELEASEREQUEST']._serialized_start=1773
+  _globals['_RELEASEREQUEST']._serialized_end=1809
+  _globals['_RELEASERESPONSE']._serialized_start=1811
+  _globals['_RELEASERESPONSE']._serialized_end=1828
+  _globals['_ABORTREQUEST']._serialized_start=1830
+  _globals['_ABORTREQUEST']._serialized_end=1890
+  _globals['_ABORTRESPONSE']._serialized_start=1892
+  _globals['_ABORTRESPONSE']._serialized_end=1922
+  _globals['_KVEVENTSREQUEST']._serialized_start=1924
+  _globals['_KVEVENTSREQUEST']._serialized_end=1993
+  _globals['_KVEVENTSRESPONSE']._serialized_start=1995
+  _globals['_KVEVENTSRESPONSE']._serialized_end=2121
+  _globals['_WORKER']._serialized_start=2124
+  _globals['_WORKER']._serialized_end=2792
 # @@protoc_insertion_point(module_scope)

@@ -12,7 +12,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("id", "role", "model_id", "max_model_len", "eos_token_ids", "block_size", "kv_transport", "kv_metadata")
+    __slots__ = ("id", "role", "model_id", "max_model_len", "eos_token_ids", "block_size", "kv_transport", "kv_metadata", "max_step_tokens")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class WorkerInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     KV_METADATA_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: str
     model_id: str
@@ -29,7 +30,8 @@ class WorkerInfo(_message.Message):
     block_size: int
     kv_transport: str
     kv_metadata: bytes
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_transport: _Optional[str] = ..., kv_metadata: _Optional[bytes] = ...) -> None: ...
+    max_step_tokens: int
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_transport: _Optional[str] = ..., kv_metadata: _Optional[bytes] = ..., max_step_tokens: _Optional[int] = ...) -> None: ...
 
 class ModelFilesRequest(_message.Message):
     __slots__ = ()
@@ -48,7 +50,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("kv_blocks_total", "kv_blocks_used", "kv_blocks_held", "running", "waiting", "prefix_cache_hit_tokens", "leases", "spec_draft_tokens", "spec_accepted_tokens")
+    __slots__ = ("kv_blocks_total", "kv_blocks_used", "kv_blocks_held", "running", "waiting", "prefix_cache_hit_tokens", "leases", "spec_draft_tokens", "spec_accepted_tokens", "engine_steps")
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_HELD_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +60,7 @@ class WorkerStats(_message.Message):
     LEASES_FIELD_NUMBER: _ClassVar[int]
     SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STEPS_FIELD_NUMBER: _ClassVar[int]
     kv_blocks_total: int
     kv_blocks_used: int
     kv_blocks_held: int
@@ -67,7 +70,8 @@ class WorkerStats(_message.Message):
     leases: int
     spec_draft_tokens: int
     spec_accepted_tokens: int
-    def __init__(self, kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_held: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., leases: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...
+    engine_steps: int
+    def __init__(self, kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_held: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., leases: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., engine_steps: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_seconds")
