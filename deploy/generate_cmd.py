@@ -16,7 +16,7 @@ from typing import Optional
 
 import typer
 
-from deploy import runtime_options
+from deploy import runtime_options, status_cmd
 from engine.errors import UserError
 from engine.quantization import check_kv_cache_dtype, check_quantization
 from proto.sampling import InvalidRequest, SamplingParams
@@ -36,6 +36,8 @@ def command(
                                                 help='JSONL file, one {"prompt": "..."} per line.'),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object per prompt."),
     url: Optional[str] = typer.Option(None, "--url", help="Send the prompts to a running pdserve router instead."),
+    tls_ca: Optional[Path] = typer.Option(None, "--tls-ca", help="With --url: " + status_cmd.TLS_CA_HELP),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="With --url: " + status_cmd.API_KEY_HELP),
     quantization: str = typer.Option("none", "--quantization", help="Linear method: none, int8 or fp8."),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="KV-cache dtype: auto or fp8_e4m3."),
     dtype: str = runtime_options.dtype_option(),
@@ -50,13 +52,17 @@ def command(
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens)
     prompts = _read_prompts(prompt, prompts_file)
     if url is not None:  # the streaming gRPC client (router/client.py, no torch)
+        from router.auth import resolve_api_key
         from router.client import print_generations
 
         try:
             print_generations(url, prompts, chat=chat, json_output=json_output, temperature=temperature,
-                              top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens)
+                              top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens, tls_ca=tls_ca,
+                              api_key=resolve_api_key(api_key))
         except ConnectionError as e:
             raise UserError(str(e)) from None
+        except OSError as e:
+            raise UserError(f"--tls-ca: cannot read {str(tls_ca)!r}: {e.strerror}") from None
         return
     from engine.model_loader import resolve_model
 

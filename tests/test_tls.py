@@ -89,3 +89,50 @@ def test_router_public_grpc_and_https(tls):
     status, https, plain = asyncio.run(go())
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING  # answered over TLS (no workers yet)
     assert https in (200, 503) and plain != "served"
+
+
+def test_status_and_router_client_over_tls(tls, capsys):
+    """`pdserve status --tls-ca` (RouterClient over TLS, with the router's --api-key) against a
+    router serving TLS: the worker's row; without --tls-ca, or without the key, a one-line error
+    naming what is missing (exit 2); an unreadable --tls-ca is refused naming the flag."""
+    import json
+    from types import SimpleNamespace
+
+    from deploy import cli
+    from router.app import Router, RouterConfig
+    from router.registry import StaticRegistry, WorkerEndpoint
+    from worker.agg import AggWorker
+    from worker.core import WorkerConfig
+    from worker.server import serve
+
+    def status(*args: str) -> tuple[int, str, str]:
+        try:
+            cli.main(["status", *args])
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    async def go():
+        worker = AggWorker(WorkerConfig(worker_id="agg-0", role="agg", internal_secret=SECRET), FakeEngine(),
+                           "/nonexistent", SimpleNamespace(max_model_len=512, eos_token_ids=[2], vocab_size=100))
+        running = await serve(worker, "127.0.0.1", 0, SECRET)
+        r = Router(StaticRegistry([WorkerEndpoint("agg-0", "agg", running.address)]),
+                   RouterConfig(port=0, http_port=None, mode="agg", tls=tls, api_key="k3y", internal_secret=SECRET))
+        ep = await r.start()
+        try:
+            return [await asyncio.to_thread(status, *args) for args in (
+                ("--url", ep.grpc, "--tls-ca", tls.cert_file, "--api-key", "k3y", "--json"),
+                ("--url", ep.grpc, "--api-key", "k3y", "--timeout", "2"),
+                ("--url", ep.grpc, "--tls-ca", tls.cert_file),
+                ("--url", ep.grpc, "--tls-ca", "/nonexistent/ca.pem"))]
+        finally:
+            await r.stop()
+            await running.stop(0)
+
+    ok, plain, no_key, bad_ca = asyncio.run(go())
+    assert ok[0] == 0 and [w["id"] for w in json.loads(ok[1])["workers"]] == ["agg-0"], ok
+    assert plain[0] == 2 and "UNAVAILABLE" in plain[2] and "--tls-ca" in plain[2], plain
+    assert no_key[0] == 2 and "UNAUTHENTICATED" in no_key[2] and "--api-key" in no_key[2], no_key
+    assert bad_ca[0] == 2 and bad_ca[2].startswith("pdserve: error: --tls-ca: cannot read"), bad_ca
