@@ -8,8 +8,9 @@ notify tag contains ``FaultSpec.match`` (all when empty), with the spec's probab
   corrupted (``corrupt``: one byte of each K block it wrote is flipped; needs the fence, which
   knows each reservation's destination blocks) — as if the payload had been damaged on the way;
 - sender side (wrap the prefill worker's): after ``kill_after_writes`` writes the transport drops
-  every connection at once, mid-frame (``kill_connections``: tcp), as if the peer process died
-  mid-transfer; it reconnects on the next ``add_peer``.
+  every connection at once, mid-frame, as if the peer process died mid-transfer
+  (``kill_connections``: tcp aborts its sockets; torch shuts down its gloo groups' sockets; nixl
+  fails every write not yet posted and forgets its peers); it reconnects on the next ``add_peer``.
 
 Selected in tests directly, and in workers by ``WorkerConfig.kv_faults`` (a ``FaultSpec.parse``
 string such as ``"drop_notify=0.5,match=victim"``). Counters say what was injected.

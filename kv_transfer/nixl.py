@@ -15,6 +15,13 @@ the model runner's hook moves while the next layers compute. UCX stays on loopba
 (``UCX_NET_DEVICES=lo`` unless set) and the UCX backend is created with
 ``ucx_error_handling_mode=none``; a dead peer therefore surfaces as a transfer timeout.
 The agent is not thread-safe in this mode: every call goes through one lock.
+
+Fault injection (``kill_connections``, kv_transfer/faults.py): as if this side's process died
+mid-transfer — every write not yet posted fails (nothing of it ever lands, no notification), writes
+already posted run to their end in UCX as a dead process's posted writes may, and every peer is
+forgotten, so further writes to it fail (UnknownPeer) until ``add_peer`` again; UCX's endpoints
+are kept (tearing one down under an active request is not safe), so the next ``add_peer`` only
+restores the peer's entry.
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ class NixlTransport(KVTransport):
         self.compat: CompatKey | None = None
         self._reg = None
         self._peers: dict[str, dict[str, Any]] = {}
+        self._loaded: set[str] = set()  # remote agents whose metadata NIXL holds (kill_connections keeps them)
         self._handles: set[NixlHandle] = set()  # not final yet
         self._submitted: collections.deque[NixlHandle] = collections.deque()  # not posted yet
         self._layouts: dict[tuple, _Layout] = {}
@@ -130,14 +138,25 @@ class NixlTransport(KVTransport):
             raise IncompatiblePeer(f"nixl: peer metadata is malformed: {e!r}") from None
         if name in self._peers:
             return name
-        with self._lock:
-            loaded = self.agent.add_remote_agent(agent_md)
-        if isinstance(loaded, bytes):
-            loaded = loaded.decode()
-        if loaded != name:
-            raise IncompatiblePeer(f"nixl: peer metadata names agent {name!r} but carries {loaded!r}")
+        if name not in self._loaded:
+            with self._lock:
+                loaded = self.agent.add_remote_agent(agent_md)
+            if isinstance(loaded, bytes):
+                loaded = loaded.decode()
+            if loaded != name:
+                raise IncompatiblePeer(f"nixl: peer metadata names agent {name!r} but carries {loaded!r}")
+            self._loaded.add(name)
         self._peers[name] = {"base": base, "device_id": device_id, "num_blocks": meta["num_blocks"]}
         return name
+
+    def kill_connections(self) -> None:
+        """Fault injection (see the module docstring): unposted writes fail, peers are forgotten."""
+        with self._lock:
+            self._peers.clear()
+            while self._submitted:
+                handle = self._submitted.popleft()
+                if not handle.state.is_final:
+                    handle._settle_final(TransferState.FAILED, "nixl: connection to the peer killed (fault injection)")
 
     def _peer(self, peer: str) -> dict[str, Any]:
         if peer not in self._peers:
@@ -206,7 +225,7 @@ class NixlTransport(KVTransport):
             if not handle.state.is_final:
                 handle._finish(TransferState.FAILED, "transport closed")
         with self._lock:
-            for name in list(self._peers):
+            for name in list(self._loaded):
                 try:
                     self.agent.remove_remote_agent(name)
                 except Exception:

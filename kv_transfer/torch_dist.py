@@ -8,13 +8,21 @@ tests use), NCCL for CUDA caches. The framed protocol of ``wire`` runs on top: e
 36-byte header tensor then, for DATA, the cache blocks themselves (sent from and received into
 views of the caches, no staging copy). One sender thread and one receiver thread per pair; the
 receiver notices a dead peer when gloo reports the connection closed.
+
+Fault injection (``kill_connections``, kv_transfer/faults.py): gloo has no call that drops a
+group's connections (its ``abort`` and ``shutdown`` leave the sockets open), so each pair notes
+the sockets its group opened (by inode, from /proc/self/fd) and a kill shuts them down mid-frame:
+both sides' gloo then fails its pending operations with "Connection closed by peer", exactly as
+when the peer process dies, and ``add_peer`` joins a new group.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import os
 import queue
+import socket
 import threading
 import uuid
 
@@ -97,12 +105,21 @@ class TorchDistTransport(FramedTransport):
         self._start_pair(self._store, index, rank=1, peer_id=peer_id, peer_num_blocks=peer_num_blocks)
 
     def _start_pair(self, store: dist.Store, index: int, rank: int, peer_id: str, peer_num_blocks: int) -> None:
+        before = _socket_inodes()
         pg = _make_group(dist.PrefixStore(f"pair/{index}", store), rank, self.cache.data.device)
         session = self._new_session(peer_id, peer_num_blocks)
         pair = _Pair(pg, 1 - rank, session)
+        pair.sockets = _socket_inodes() - before  # the group's connections (for kill_connections)
         session.send = pair.outbox.put
         self._pairs.append(pair)
         pair.start()
+
+    def kill_connections(self) -> None:
+        """Fault injection: shut down every pair's gloo sockets at once, mid-frame if need be (as
+        if this process died); the transport stays usable and ``add_peer`` joins a new group. CPU
+        (gloo) pairs only: an NCCL pair is left alone."""
+        for pair in self._pairs:
+            pair.kill()
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -113,6 +130,23 @@ class TorchDistTransport(FramedTransport):
         for pair in self._pairs:
             pair.close()
         self._disconnect_all("transport closed")
+
+
+def _socket_inodes() -> set[str]:
+    """The socket inodes this process has open (Linux /proc; empty elsewhere)."""
+    out = set()
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            out.add(link)
+    return out
 
 
 def _make_group(store: dist.Store, rank: int, device: torch.device) -> dist.ProcessGroup:
@@ -133,6 +167,7 @@ class _Pair:
         self.outbox: queue.Queue[FrameStream | None] = queue.Queue()
         self._header = torch.empty(HEADER.size, dtype=torch.uint8)
         self._bye_sent = False
+        self.sockets: set[str] = set()  # inodes of the sockets its group opened
         self._threads = [threading.Thread(target=self._send_loop, name="kv-torch-send", daemon=True),
                          threading.Thread(target=self._recv_loop, name="kv-torch-recv", daemon=True)]
 
@@ -152,6 +187,24 @@ class _Pair:
             self._say_bye()
         for t in self._threads:
             t.join(timeout_s)
+
+    def kill(self) -> None:
+        """Shut down the group's connected sockets (kill_connections); the threads then fail out."""
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}") not in self.sockets:
+                    continue
+                s = socket.socket(fileno=os.dup(int(fd)))
+            except OSError:
+                continue
+            try:
+                s.getpeername()  # connected: a listening socket is left alone (gloo's loop must not fail)
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            finally:
+                s.close()  # the duplicate only
+        self.outbox.put(None)  # the sender thread, if idle, ends too
 
     def _send_loop(self) -> None:
         while (frames := self.outbox.get()) is not None:

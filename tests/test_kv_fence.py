@@ -10,7 +10,8 @@ this process so the tests can read each worker's fence, landing tracker and hold
   block, reservation, hold and fence entry is back at idle;
 - a corrupted payload is caught by the KV checksum before decoding (DATA_LOSS; the router may then
   migrate the request: the right text, never text decoded from the corrupted blocks);
-- the prefill worker's connections killed mid-transfer: failed over or UNAVAILABLE, then served again.
+- the prefill worker's connections killed mid-transfer (tcp, torch, nixl: kv_transfer/faults.py):
+  failed over or UNAVAILABLE, then the prompt is served again with its baseline text; nothing leaks.
 
 CI runs few rounds; ``PDSERVE_FAULT_ROUNDS=full`` (bench/kv_fence_faults.sh) runs the issue's
 200 rounds and 1,000 cancellations and prints what was measured.
@@ -296,16 +297,19 @@ def test_corrupted_payload_is_caught_by_the_kv_checksum_before_decoding(cluster)
     assert after == baseline and not busy, busy
 
 
-def test_prefill_connections_killed_mid_transfer_then_served_again(cluster):
-    """The sender's connections die mid-transfer: the push fails, the router fails over (with one
-    prefill worker: the decode worker prefills itself) or answers UNAVAILABLE; the next request
-    reconnects; nothing leaks."""
+def _kill_round(cluster: Cluster) -> None:
+    """The sender's connections die mid-transfer (its 5th write of ~60): the push fails, the router
+    fails over (with one prefill worker: the decode worker prefills itself) or answers UNAVAILABLE;
+    the next request reconnects and gets the baseline text; nothing leaks."""
     from kv_transfer.faults import FaultSpec
 
     wrapper = cluster.p.transport
+    kills = wrapper.counters["kills"]
     baseline, victim, after, busy = _fault_round(cluster, wrapper, FaultSpec(kill_after_writes=5, match="kill-victim",
                                                                              seed=6), "kill", _prompts(1, 31)[0])
-    assert wrapper.counters["kills"] == 1
+    _report(f"connections killed mid-transfer ({cluster.transport})",
+            {"victim": victim if isinstance(victim, str) else victim.details(), "after_equal": after == baseline})
+    assert wrapper.counters["kills"] == kills + 1
     if isinstance(victim, grpc.RpcError):
         assert victim.code() == grpc.StatusCode.UNAVAILABLE, victim
     else:
@@ -313,12 +317,24 @@ def test_prefill_connections_killed_mid_transfer_then_served_again(cluster):
     assert after == baseline and not busy, busy
 
 
+def test_prefill_connections_killed_mid_transfer_then_served_again(cluster):
+    _kill_round(cluster)
+
+
+def test_prefill_connections_killed_mid_transfer_over_torch(model_path):
+    """The same over torch.distributed (gloo): its sockets shut down mid-frame."""
+    with _cluster("torch") as c:
+        _kill_round(c)
+
+
 def test_abort_rounds_over_nixl_free_only_settled_blocks(model_path):
     """NIXL writes cannot be dropped by the receiver: retired blocks wait for the sender to settle
-    (or the router's word that every prefill leg answered its Abort); B stays exact, nothing leaks."""
+    (or the router's word that every prefill leg answered its Abort); B stays exact, nothing leaks.
+    Then, on the same cluster, the sender's connections killed mid-transfer (_kill_round)."""
     rounds = 50 if FULL else 4
     with _cluster("nixl") as c:
         outcomes = _abort_rounds(c, rounds, "nixl")
         _report(f"abort rounds over nixl ({rounds})", outcomes)
         assert outcomes["b_equal"] == rounds, outcomes
         assert c.d.counters["retired_unsettled"] == 0, c.d.counters
+        _kill_round(c)  # the same cluster: the sender's unposted writes fail, its peers forgotten
