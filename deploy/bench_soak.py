@@ -323,50 +323,46 @@ class _Soak:
 
 
 def plots(run: SoakRun, out_dir: Path) -> list[Path]:
+    """rss.png, kv_blocks.png, outcomes.png, ttft.png: each over the soak's time, the SIGKILLs dashed."""
     from bench.plots import _pyplot, _save
 
     plt = _pyplot()
-    paths = []
     kills = [t for t, _, _ in run.kills]
+    paths = []
 
-    def marks(ax):
+    def figure(name: str, draw, **labels) -> None:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        draw(ax)
         for t in kills:
             ax.axvline(t, color="red", alpha=0.3, linestyle="--")
+        ax.set(**labels)
+        paths.append(_save(fig, out_dir / name))
 
-    fig, ax = plt.subplots(figsize=(8, 4))
-    keys = sorted({k for s in run.samples for k in s.rss_mib})
-    for k in keys:
-        pts = [(s.t_s, s.rss_mib[k]) for s in run.samples if k in s.rss_mib]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=k)
-    marks(ax)
-    ax.set(xlabel="time (s); dashed: SIGKILL", ylabel="RSS (MiB)", title="RSS per process")
-    ax.legend(fontsize=6)
-    paths.append(_save(fig, out_dir / "rss.png"))
+    def per_key(attr: str, fontsize: int):
+        """One line per key of each sample's dict `attr` (a process's RSS, a worker's KV blocks)."""
+        def draw(ax) -> None:
+            for key in sorted({k for s in run.samples for k in getattr(s, attr)}):
+                pts = [(s.t_s, getattr(s, attr)[key]) for s in run.samples if key in getattr(s, attr)]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=key)
+            ax.legend(fontsize=fontsize)
+        return draw
 
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for wid in sorted({k for s in run.samples for k in s.kv_blocks_used}):
-        pts = [(s.t_s, s.kv_blocks_used[wid]) for s in run.samples if wid in s.kv_blocks_used]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=wid)
-    marks(ax)
-    ax.set(xlabel="time (s)", ylabel="KV blocks used", title="KV blocks used per worker")
-    ax.legend(fontsize=7)
-    paths.append(_save(fig, out_dir / "kv_blocks.png"))
+    def outcomes(ax) -> None:
+        for outcome in sorted({r.outcome for r in run.requests}):
+            ends = sorted(r.sent_s + r.seconds for r in run.requests if r.outcome == outcome)
+            ax.step(ends, range(1, len(ends) + 1), where="post", label=outcome)
+        ax.legend(fontsize=7)
 
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for outcome in sorted({r.outcome for r in run.requests}):
-        ends = sorted(r.sent_s + r.seconds for r in run.requests if r.outcome == outcome)
-        ax.step(ends, range(1, len(ends) + 1), where="post", label=outcome)
-    marks(ax)
-    ax.set(xlabel="time (s)", ylabel="requests (cumulative)", title="Request outcomes")
-    ax.legend(fontsize=7)
-    paths.append(_save(fig, out_dir / "outcomes.png"))
+    def ttft(ax) -> None:
+        ok = [r for r in run.requests if r.ttft_s is not None]
+        ax.scatter([r.sent_s for r in ok], [r.ttft_s for r in ok], s=4)
 
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ok = [r for r in run.requests if r.ttft_s is not None]
-    ax.scatter([r.sent_s for r in ok], [r.ttft_s for r in ok], s=4)
-    marks(ax)
-    ax.set(xlabel="send time (s)", ylabel="TTFT (s)", title="TTFT per request")
-    paths.append(_save(fig, out_dir / "ttft.png"))
+    figure("rss.png", per_key("rss_mib", 6), xlabel="time (s); dashed: SIGKILL", ylabel="RSS (MiB)",
+           title="RSS per process")
+    figure("kv_blocks.png", per_key("kv_blocks_used", 7), xlabel="time (s)", ylabel="KV blocks used",
+           title="KV blocks used per worker")
+    figure("outcomes.png", outcomes, xlabel="time (s)", ylabel="requests (cumulative)", title="Request outcomes")
+    figure("ttft.png", ttft, xlabel="send time (s)", ylabel="TTFT (s)", title="TTFT per request")
     return paths
 
 

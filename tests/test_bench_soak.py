@@ -69,3 +69,12 @@ def test_rss_drift_judges_instances_that_lived_one_kill_interval():
     for t in range(0, 101, 10):
         run.samples.append(Sample(float(t), {"decode-0:7": 1000.0} if t < 50 else {"decode-0:8": 1000.0 + t}, {}, {}))
     assert rss_drift(run) == {"decode-0:7": 0.0, "decode-0:8": pytest.approx(100 * 40 / 1060)}
+
+
+def test_plots_of_a_synthetic_run(tmp_path):
+    """The four figures, one line per process (RSS) and per worker (KV blocks), kills marked."""
+    from deploy.bench_soak import plots
+
+    paths = plots(_run(), tmp_path)
+    assert [p.name for p in paths] == ["rss.png", "kv_blocks.png", "outcomes.png", "ttft.png"]
+    assert all(p.stat().st_size > 1000 for p in paths)
