@@ -144,7 +144,7 @@ def test_prefill_worker_sigstop_fails_over_and_is_used_again(serving):
     assert_idle(s, 60)
 
 
-WEDGE_TOKENS = 32
+WEDGE_TOKENS = 48
 
 
 def test_decode_engine_wedged_inside_a_step_is_migrated_past_the_stall_bound(serving, wedge_dir):
@@ -228,7 +228,7 @@ def test_decode_engine_wedged_inside_a_step_is_migrated_past_the_stall_bound(ser
     for (_, u), (_, b) in zip(wedged, baseline):
         assert u["completion_tokens"] == WEDGE_TOKENS and b["recomputed_tokens"] == 0
         assert u["prompt_tokens"] < u["recomputed_tokens"] < u["prompt_tokens"] + WEDGE_TOKENS, u
-    assert migrations == 4 and 5.0 < took < 60, took
+    assert migrations == 4 and 4.5 < took < 60, took  # the bound, less a poll interval and a step
     assert counter(metrics, "pdserve:request_migrations_total", reason="no_progress") == 4
     assert counter(metrics, "pdserve:worker_suspect_total", role="decode", reason="no_progress") == 1
     assert held is False
