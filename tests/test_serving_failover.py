@@ -194,7 +194,7 @@ def test_decode_engine_wedged_inside_a_step_is_migrated_past_the_stall_bound(ser
         base, d0 = f"http://{ep.http}", router.pool.get("decode-0")
         try:
             async with httpx.AsyncClient() as c:
-                async def all_four(streamed):
+                def all_four(streamed):
                     return [asyncio.create_task(one(c, base, p, i % 2 == 0, streamed)) for i, p in enumerate(prompts)]
 
                 baseline = await asyncio.gather(*all_four([0]))
