@@ -22,7 +22,6 @@ from engine.model_loader import resolve_model
 from engine.quantization import check_kv_cache_dtype, check_quantization
 from engine.quantization.apply import apply_quantization
 from engine.quantization.checkpoint import Fp8Weight, split_fp8
-from engine.quantization.smoothing import record_input_amax
 from engine.quantization.kv_scales import CALIBRATION_TEXT, KVScales, load_or_calibrate, scales_from_amax
 from engine.models.llama import LlamaForCausalLM
 from kernels.attention import AttentionMetadata, get_attention_backend
@@ -70,10 +69,8 @@ class ModelRunner:
         self.model = load_model(self.model_config, dtype, self.device)
         self.model.layer_ops = get_layer_ops(layer_ops, self.device)
         self.layer_ops = self.model.layer_ops.name
-        # After loading and before the cache: the linears' kernels are timed here, once. INT8 first
-        # records each linear's input range (SmoothQuant factors, W8A16 for spiky inputs).
-        act_amax = self._calibrate_activations() if quantization == "int8" else None
-        apply_quantization(self.model, quantization, fp8_weights=self.model.fp8_checkpoint, act_amax=act_amax)
+        # After loading and before the cache: the linears' kernels are timed here, once.
+        apply_quantization(self.model, quantization, fp8_weights=self.model.fp8_checkpoint)
         log.info("linear kernels (1/16/512 rows): %s", kernel_summary(self.model))
         release_freed_memory()   # the weight copies no chosen kernel reads (kernels/linear.py)
         cfg = self.model_config
@@ -101,26 +98,6 @@ class ModelRunner:
         for l, layer in enumerate(self.model.model.layers):
             k_scale, v_scale = self.kv_scales.layer(l)
             layer.self_attn.k_scale, layer.self_attn.v_scale = k_scale.to(self.device), v_scale.to(self.device)
-
-    def _calibration_ids(self) -> list[int]:
-        from engine.model_loader import load_tokenizer
-
-        cfg = self.model_config
-        return load_tokenizer(cfg.path)(CALIBRATION_TEXT.read_text())["input_ids"][:cfg.max_model_len]
-
-    def _calibrate_activations(self) -> dict[str, torch.Tensor]:
-        """Per-input-channel amax of every linear (and the LM head) over one unquantized forward
-        of the calibration text (engine/quantization/smoothing.py)."""
-        ids, cfg = self._calibration_ids(), self.model_config
-        spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.block_size,
-                           -(-len(ids) // self.block_size), self.dtype)
-        ops, cache = self.ops, getattr(self, "kv_cache", None)
-        self.ops, self.kv_cache = self._reference_ops, PagedKVCache(spec, device=self.device)
-        try:
-            chunk = SeqChunk(ids, 0, list(range(spec.num_blocks)), len(ids))
-            return record_input_amax(self.model, lambda: self.forward([chunk]))
-        finally:
-            self.ops, self.kv_cache = ops, cache
 
     def _calibrate_kv_scales(self) -> KVScales:
         """One forward over the calibration text with a cache in the compute dtype, recording each

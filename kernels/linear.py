@@ -16,9 +16,9 @@ threads), so 30 layers of one shape are measured once; ``kernel_summary`` names 
   weights that are not in cache with compute, where oneDNN adds the two (1-64 rows). Only the
   chosen kernels' weight copies are kept.
 - ``Int8Linear`` (``int8``): per-output-channel symmetric int8 weights, ``q = round(W / s)``,
-  ``s = amax(|W_row|) / 127``. Kernels: W8A16 ``torch._weight_int8pack_mm`` (activations stay in
-  the model dtype); W8A8 with activations quantized dynamically per token (``s_x = amax(|x_row|) /
-  127``) and ``torch._int_mm`` (int32 accumulation, oneDNN/VNNI on x86), rescaled by ``s_x s_w``.
+  ``s = amax(|W_row|) / 127``, activations quantized dynamically per token and group of
+  ``ACT_GROUP`` channels. Kernels: ours for bf16 on CPUs with AVX512-VNNI (kernels/csrc/int8_gemm.cpp,
+  vpdpbusd on the int8 weight tiles), and the dense GEMM on the dequantized operands (elsewhere).
 - ``Fp8Linear`` (``fp8``): E4M3 weights with per-output-channel scales ``s = amax(|W_row|) / 448``
   (or a checkpoint's ``weight_scale``), activations quantized dynamically per token to E4M3 (W8A8).
   Kernels: ``torch._scaled_mm`` (fp8 x fp8, per-row/per-column fp32 scales); and an exact emulation
@@ -26,8 +26,7 @@ threads), so 30 layers of one shape are measured once; ``kernel_summary`` names 
   value), a bf16 GEMM with fp32 accumulation, then the scales — the same products and sums as
   ``_scaled_mm``, but the weight takes bf16's two bytes per value instead of one.
 
-References: Dettmers et al., "LLM.int8()" (2022) and Xiao et al., "SmoothQuant" (2023) for
-per-token x per-channel W8A8; Micikevicius et al., "FP8 Formats for Deep Learning" (2022) for E4M3.
+References: Micikevicius et al., "FP8 Formats for Deep Learning" (2022) for E4M3.
 """
 
 from __future__ import annotations
@@ -360,56 +359,120 @@ def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch
     return q, scale
 
 
-def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q int8 [M, K], scale float32 [M, 1]): dynamic, symmetric, per row."""
-    xf = x.float()
-    scale = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12) / INT8_MAX
-    return torch.round(xf / scale).to(torch.int8), scale
+ACT_GROUP = 32
+"""Input channels per activation scale of the INT8 linears: each token's activations are quantized
+in groups of 32 consecutive channels (one scale each), so an outlier channel coarsens only its own
+group (engine/quantization/apply.py has the measurements)."""
+
+
+def act_group(in_features: int) -> int:
+    """The activation group of a linear with ``in_features`` inputs: ACT_GROUP where it divides
+    them, else the whole row (one scale per token)."""
+    return ACT_GROUP if in_features % ACT_GROUP == 0 else in_features
+
+
+def quantize_int8_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q int8 [M, K], scale float32 [M, K / group]): dynamic, symmetric, per token
+    and per group of ``group`` channels, ``scale = amax(|x_group|) / 127`` (an all-zero group
+    gets 1), ``q = round(x / scale)`` (half to even), so ``|x - q * scale| <= scale / 2``."""
+    m, k = x.shape
+    xg = x.float().view(m, k // group, group)
+    scale = xg.abs().amax(dim=2) / INT8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(xg / scale[:, :, None]).to(torch.int8).view(m, k), scale
+
+
+def pack_int8_gemm(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] int8 (K a multiple of 4) -> q + 128 as uint8 [ceil(N/16), K/4, 16, 4]: the tiles of
+    kernels/csrc/int8_gemm.cpp (vpdpbusd multiplies unsigned by signed bytes), 16 output columns
+    each, a column's 4 consecutive k adjacent (vpdpbusd's quad layout); zero-weight rows pad N."""
+    n, k = q.shape
+    padded = torch.zeros(-(-n // 16) * 16, k, dtype=torch.int16, device=q.device)
+    padded[:n] = q
+    return (padded + 128).to(torch.uint8).view(-1, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_int8_gemm(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack_int8_gemm: q [N, K] int8 (a copy)."""
+    tiles, k4 = packed.shape[:2]
+    return (packed.permute(0, 2, 1, 3).reshape(tiles * 16, 4 * k4)[:n].to(torch.int16) - 128).to(torch.int8)
+
+
+def _int8_gemm_available(dtype: torch.dtype, device: torch.device, in_features: int) -> bool:
+    """Whether kernels/csrc/int8_gemm.cpp runs here: bf16 activations on a CPU whose kernel
+    library built with AVX512-BF16 and AVX512-VNNI, K a multiple of ACT_GROUP."""
+    if dtype != torch.bfloat16 or device.type != "cpu" or in_features % ACT_GROUP:
+        return False
+    from kernels.cpu_attention import load_extension
+
+    return load_extension()[0] is not None and torch.ops.pdserve_int8.available()
 
 
 class Int8Linear(MeasuredLinear):
-    """Per-output-channel symmetric int8 weights (1 byte a value), W8A16 or W8A8 kernel measured."""
+    """W8A8 INT8: per-output-channel symmetric int8 weights, activations quantized dynamically per
+    token and per group of ACT_GROUP channels:
+    ``y[m, n] = s_w[n] * sum_g s_x[m, g] * sum_{k in g} q_x[m, k] q_w[n, k]``.
+
+    Kernels: ``w8a8_vnni`` (kernels/csrc/int8_gemm.cpp, bf16 on CPUs with AVX512-BF16 and
+    AVX512-VNNI: the activations quantized in the call, the int8 weight streamed once through
+    vpdpbusd, int32 sums per group, fp32 across groups) and ``dequant_dense`` (the reference and
+    the path elsewhere: the activations quantized and dequantized, the weight widened to the model
+    dtype, the dense GEMM, the weight scales). They compute the same quantized products; the
+    dense one rounds the dequantized activations to the model dtype. The weight is held once: in
+    the C++ kernel's tiles where it runs, else as [N, K].
+    """
 
     method = "int8"
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, smooth: torch.Tensor | None = None,
-                 w8a8: bool = True) -> None:
-        """smooth: [in_features] float32 SmoothQuant factors s (engine/quantization/smoothing.py): the
-        int8 weight is that of ``W * s`` and every kernel reads ``x / s``. w8a8=False: activations
-        too spiky to quantize per token; only the W8A16 kernel is offered."""
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, decode_only: bool = False) -> None:
+        """decode_only: see MeasuredLinear._choose (the LM head)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        w = weight if smooth is None else weight.float() * smooth[None, :].to(weight.device)
-        q, scale = quantize_int8_per_channel(w)
-        self.register_buffer("qweight", q, persistent=False)
-        self.register_buffer("weight_scale", scale, persistent=False)
-        self.inv_smooth = None if smooth is None else (1.0 / smooth).to(device=weight.device, dtype=self.dtype)
+        self.group = act_group(self.in_features)
+        q, scale = quantize_int8_per_channel(weight)
+        self.tiled = _int8_gemm_available(self.dtype, q.device, self.in_features)
+        if self.tiled:
+            packed = pack_int8_gemm(q)
+            padded = torch.zeros(packed.shape[0] * 16, dtype=torch.float32, device=q.device)
+            padded[:self.out_features] = scale
+            self.register_buffer("qweight", packed, persistent=False)
+            self.register_buffer("weight_scale", padded, persistent=False)
+        else:
+            self.register_buffer("qweight", q, persistent=False)
+            self.register_buffer("weight_scale", scale, persistent=False)
         self.bias = None if bias is None else bias.detach()
-        kernels = self._candidates()
-        if not w8a8:
-            kernels = {"w8a16_int8pack": kernels["w8a16_int8pack"]}
-        # Quiet-machine winners: W8A16 at one row (3x bf16), W8A8 from 16 rows (W8A16 falls behind bf16 there).
-        self._choose(kernels, self.dtype, q.device, ("w8a16_int8pack", "w8a8_int_mm", "w8a8_int_mm") if w8a8 else None)
+        # Quiet-machine winner (Zen 5): the C++ kernel at every size (prefill: as fast as bf16's GEMM).
+        self._choose(self._candidates(), self.dtype, q.device, ("w8a8_vnni",) * 3 if self.tiled else None, decode_only)
+
+    def _int8_nk(self) -> torch.Tensor:
+        """The int8 weight [N, K] (unpacked from the tiles when they hold it: a copy)."""
+        return unpack_int8_gemm(self.qweight, self.out_features) if self.tiled else self.qweight
 
     def _candidates(self) -> dict[str, Kernel]:
-        q, s, dtype, inv_smooth = self.qweight, self.weight_scale, self.dtype, self.inv_smooth
-        s_model = s.to(dtype)         # _weight_int8pack_mm wants the scales in the activation dtype
-        s_row = s[None, :]
+        n, dtype, group = self.out_features, self.dtype, self.group
+        s_w = self.weight_scale[:n].to(dtype)
 
-        def w8a16(x: torch.Tensor) -> torch.Tensor:
-            return torch._weight_int8pack_mm(x if inv_smooth is None else x * inv_smooth, q, s_model)
+        def dequant_dense(x: torch.Tensor) -> torch.Tensor:
+            xq, xs = quantize_int8_per_group(x, group)
+            xd = (xq.float().view(x.shape[0], -1, group) * xs[:, :, None]).view(x.shape).to(dtype)
+            return F.linear(xd, self._int8_nk().to(dtype)).mul_(s_w)
 
-        def w8a8(x: torch.Tensor) -> torch.Tensor:
-            xq, xs = quantize_int8_per_token(x if inv_smooth is None else x * inv_smooth)
-            return (torch._int_mm(xq, q.t()) * (xs * s_row)).to(dtype)
+        if not self.tiled:
+            return {"dequant_dense": dequant_dense}
+        op, q, scale = torch.ops.pdserve_int8.w8a8_gemm, self.qweight, self.weight_scale
 
-        return {"w8a16_int8pack": w8a16, "w8a8_int_mm": w8a8}
+        def w8a8_vnni(x: torch.Tensor) -> torch.Tensor:
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            out = torch.empty(x.shape[0], n, dtype=torch.bfloat16, device=x.device)
+            op(out, x, q, scale, n)
+            return out
+
+        return {"w8a8_vnni": w8a8_vnni, "dequant_dense": dequant_dense}
 
     def dequantized_weight(self) -> torch.Tensor:
-        """[N, K] float32: the weight the int8 values, scales and smoothing factors represent."""
-        w = self.qweight.float() * self.weight_scale[:, None]
-        return w if self.inv_smooth is None else w * self.inv_smooth.float()[None, :]
+        """[N, K] float32: the weight the int8 values and scales represent."""
+        return self._int8_nk().float() * self.weight_scale[:self.out_features, None]
 
 
 # -- fp8 ------------------------------------------------------------------------------------------

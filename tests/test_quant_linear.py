@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.linear import (DenseLinear, Fp8Linear, Int8Linear, bucket_index, quantize_fp8_per_channel,
-                            quantize_int8_per_channel)
+from kernels.linear import (DenseLinear, Fp8Linear, Int8Linear, act_group, bucket_index, quantize_fp8_per_channel,
+                            quantize_int8_per_channel, quantize_int8_per_group)
 
 torch.manual_seed(0)
 N, K = 96, 160
@@ -41,6 +41,18 @@ def test_int8_scales_recover_the_weight_within_half_a_step():
     assert float(err[5].max()) == 0.0
 
 
+def test_int8_activation_groups_recover_each_group_within_half_a_step():
+    x = torch.randn(3, 96)
+    x[0, 5] = 500.0          # an outlier: only its group of 32 gets a coarse scale
+    x[1, 32:64] = 0.0        # an all-zero group
+    q, scale = quantize_int8_per_group(x, 32)
+    assert q.dtype == torch.int8 and scale.shape == (3, 3) and int(q.abs().max()) <= 127
+    err = (q.float().view(3, 3, 32) * scale[:, :, None] - x.view(3, 3, 32)).abs()
+    assert torch.all(err <= scale[:, :, None] / 2 + 1e-6)
+    assert abs(float(scale[0, 0]) - 500.0 / 127) < 1e-5 and float(scale[0, 1]) < 0.05 and float(scale[1, 1]) == 1.0
+    assert act_group(576) == 32 and act_group(100) == 100      # no group of 32 divides 100: one per token
+
+
 def test_fp8_scales_recover_the_weight_to_e4m3_precision():
     w = weight()
     q, scale = quantize_fp8_per_channel(w)
@@ -52,7 +64,8 @@ def test_fp8_scales_recover_the_weight_to_e4m3_precision():
 
 
 # (method, dtype) -> bound on dot_err of every kernel vs the fp32 product, about 3x the worst seen
-# over 12 draws (bf16 3e-4, int8 9e-4, fp8 3.2e-3: E4M3 keeps 3 mantissa bits, int8 about 7).
+# over 12 draws (bf16 3e-4, int8 9.6e-4 with the activations quantized per group of 32 too, fp8
+# 3.2e-3: E4M3 keeps 3 mantissa bits, int8 about 7).
 BOUNDS = {("none", torch.bfloat16): 0.001, ("none", torch.float32): 1e-6,
           ("int8", torch.bfloat16): 0.003, ("int8", torch.float32): 0.003,
           ("fp8", torch.bfloat16): 0.01}
