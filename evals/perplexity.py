@@ -162,10 +162,13 @@ def command(
     decode_tokens: int = typer.Option(8, "--decode-tokens", help="Scored positions per window run through the decode path."),
     compare: bool = typer.Option(False, "--compare", help="Run bf16/fp32 baseline, fp8 and int8 weights, fp8 KV and "
                                                           "fp8 weights + fp8 KV at --dtype; print deltas vs the baseline."),
+    matrix: Optional[str] = typer.Option(None, "--matrix", help="With --compare: the configurations to run, "
+                                         "comma-separated QUANT/KV pairs, the baseline none/auto first "
+                                         "(default: all five, e.g. none/auto,int8/auto,none/fp8_e4m3)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the result(s) as JSON here."),
 ) -> None:
     """Perplexity (sliding window, HF guide) through pdserve's runtime and paged KV cache."""
-    configs = _configs(dtype, quantization, kv_cache_dtype, compare)
+    configs = _configs(dtype, quantization, kv_cache_dtype, compare, matrix)
     _check_sizes(context, stride, max_tokens, decode_tokens)
     text_path = text or DEFAULT_TEXT
     token_ids = _tokens(model, text_path, max_tokens)
@@ -216,16 +219,37 @@ def _quant_kwargs(cfg: EvalConfig) -> dict:
     return kwargs
 
 
-def _configs(dtype: str, quantization: str, kv_cache_dtype: str, compare: bool) -> list[EvalConfig]:
+def _configs(dtype: str, quantization: str, kv_cache_dtype: str, compare: bool,
+             matrix: str | None = None) -> list[EvalConfig]:
     if dtype not in ("float32", "bfloat16", "float16"):
         raise UserError(f"--dtype: unknown dtype {dtype!r}; choose one of float32, bfloat16, float16")
     check_quantization(quantization)
     check_kv_cache_dtype(kv_cache_dtype)
+    if matrix is not None and not compare:
+        raise UserError("--matrix: only with --compare")
     if not compare:
         return [EvalConfig(dtype, quantization, kv_cache_dtype)]
     if (quantization, kv_cache_dtype) != ("none", "auto"):
         raise UserError("--compare runs its own matrix of --quantization and --kv-cache-dtype: give neither")
-    return [EvalConfig(dtype, q, kv) for q, kv in COMPARE_MATRIX]
+    pairs = COMPARE_MATRIX if matrix is None else parse_matrix(matrix)
+    return [EvalConfig(dtype, q, kv) for q, kv in pairs]
+
+
+def parse_matrix(matrix: str) -> tuple[tuple[str, str], ...]:
+    """``"none/auto,int8/auto"`` -> (("none", "auto"), ("int8", "auto")); UserError naming
+    ``--matrix`` for a malformed pair, an unknown name, or a first pair that is not the baseline."""
+    pairs = []
+    for item in matrix.split(","):
+        parts = item.strip().split("/")
+        if len(parts) != 2:
+            raise UserError(f"--matrix: {item.strip()!r} is not QUANT/KV (e.g. int8/auto)")
+        try:
+            pairs.append((check_quantization(parts[0]), check_kv_cache_dtype(parts[1])))
+        except UserError as e:
+            raise UserError(f"--matrix: {e}") from None
+    if pairs[0] != COMPARE_MATRIX[0]:
+        raise UserError(f"--matrix: the first configuration must be the baseline none/auto, got {'/'.join(pairs[0])}")
+    return tuple(pairs)
 
 
 def _check_sizes(context: int, stride: int, max_tokens: int, decode_tokens: int) -> None:

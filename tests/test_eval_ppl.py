@@ -103,6 +103,10 @@ def test_unknown_quantization_is_one_line_exit_2():
     (["--stride", "0"], "--stride"),
     (["--text", "/nonexistent/text.txt"], "--text"),
     (["--compare", "--quantization", "fp8"], "--compare"),
+    (["--matrix", "none/auto"], "--matrix"),
+    (["--compare", "--matrix", "int8/auto"], "--matrix"),
+    (["--compare", "--matrix", "none/auto,int4/auto"], "--matrix: --quantization"),
+    (["--compare", "--matrix", "none/auto,int8"], "--matrix"),
 ])
 def test_bad_input_is_one_line_exit_2_in_process(args, fragment, monkeypatch, capsys):
     from deploy import cli
@@ -112,3 +116,12 @@ def test_bad_input_is_one_line_exit_2_in_process(args, fragment, monkeypatch, ca
         cli.main()
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("pdserve: error: " + fragment), err
+
+
+def test_matrix_chooses_the_compared_configurations():
+    from evals.perplexity import _configs
+
+    configs = _configs("bfloat16", "none", "auto", True, "none/auto, int8/auto,none/fp8_e4m3")
+    assert [(c.quantization, c.kv_cache_dtype) for c in configs] == [
+        ("none", "auto"), ("int8", "auto"), ("none", "fp8_e4m3")]
+    assert len(_configs("bfloat16", "none", "auto", True)) == 5
