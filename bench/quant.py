@@ -6,7 +6,8 @@ averages are printed beside them):
 - linear: each kernel of each method (kernels/linear.py) on the bundled model's four projection
   shapes at 1, 16 and 512 rows, best of a few rounds, with the weight bytes read per call and the
   GB/s that makes;
-- decode step: one ModelRunner forward of B decode tokens (B = 1, 16; ``--context`` tokens of
+- decode step: one ModelRunner forward of B decode tokens (B = ``--batch-sizes``, default 1, 16,
+  32; ``--context`` tokens of
   context each) per --quantization method at --dtype, best of --steps, and its speed-up over
   ``none``. Methods are timed round-robin, so a burst of load hits them alike.
 
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import typer
 
-SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536))   # (out, in): q/o, k/v, gate/up, down
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))   # (out, in): fused qkv, o, fused gate/up, down
 ROWS = (1, 16, 512)
 
 
@@ -32,6 +33,7 @@ def command(
     methods: str = typer.Option("none,int8,fp8", "--methods", help="Comma-separated --quantization methods."),
     context: int = typer.Option(128, "--context", help="Context of each sequence in the decode step."),
     steps: int = typer.Option(10, "--steps", help="Timed decode steps per method and batch size."),
+    batch_sizes: str = typer.Option("1,16,32", "--batch-sizes", help="Comma-separated decode batch sizes."),
     threads: int = typer.Option(0, "--threads", help="torch threads (0 = the cores this process may use)."),
     skip_linear: bool = typer.Option(False, "--skip-linear", help="Only the decode-step table."),
     json_out: Path = typer.Option(Path("out/bench_quant.json"), "--json"),
@@ -42,13 +44,14 @@ def command(
     from engine.quantization import check_quantization
 
     names = [check_quantization(m.strip()) for m in methods.split(",") if m.strip()]
+    batches = _batch_sizes(batch_sizes)
     torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
     dt = getattr(torch, dtype)
     result = {"dtype": dtype, "threads": torch.get_num_threads(), "load_before": _load()}
     if not skip_linear:
         result["linear"] = linear_rows(names, dt)
         _print_linear(result["linear"])
-    result["decode"] = decode_rows(model, names, dt, context, steps)
+    result["decode"] = decode_rows(model, names, dt, context, steps, batches)
     result["load_after"] = _load()
     _print_decode(result["decode"], result)
     json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -78,16 +81,30 @@ def linear_rows(methods: list[str], dtype) -> list[dict]:
     return rows
 
 
-def decode_rows(model: str, methods: list[str], dtype, context: int, steps: int) -> list[dict]:
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    from engine.errors import UserError
+
+    try:
+        sizes = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise UserError(f"--batch-sizes: {text!r} is not a comma-separated list of positive integers")
+    return sizes
+
+
+def decode_rows(model: str, methods: list[str], dtype, context: int, steps: int,
+                batches: tuple[int, ...] = (1, 16, 32)) -> list[dict]:
     import torch
 
     from engine.batch import SeqChunk
     from engine.model_runner import ModelRunner
 
     blocks_per_seq = -(-(context + 1) // 16)
-    runners = {m: ModelRunner(model, num_blocks=16 * blocks_per_seq, dtype=dtype, quantization=m) for m in methods}
+    runners = {m: ModelRunner(model, num_blocks=max(batches) * blocks_per_seq, dtype=dtype, quantization=m)
+               for m in methods}
     out = []
-    for batch in (1, 16):
+    for batch in batches:
         chunks = [SeqChunk([100 + b], context, list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)), 1)
                   for b in range(batch)]
         best = {m: float("inf") for m in methods}
@@ -100,7 +117,7 @@ def decode_rows(model: str, methods: list[str], dtype, context: int, steps: int)
                 r.forward(chunks)
                 best[m] = min(best[m], time.perf_counter() - t0)
         for m in methods:
-            out.append({"batch": batch, "method": m, "ms": round(best[m] * 1e3, 2),
+            out.append({"batch": batch, "method": m, "ms": round(best[m] * 1e3, 2), "context": context,
                         "speedup_vs_none": round(best["none"] / best[m], 2) if "none" in best else None,
                         "attention_backend": runners[m].attention_backend})
     return out
