@@ -384,3 +384,42 @@ def test_bench_spec_budgets_are_pdserve_serves():
 
     assert bench.spec.DEFAULT_MAX_NUM_BATCHED_TOKENS == runtime_options.DEFAULT_MAX_NUM_BATCHED_TOKENS
     assert bench.spec.DEFAULT_IDLE_MAX_NUM_BATCHED_TOKENS == runtime_options.DEFAULT_IDLE_MAX_NUM_BATCHED_TOKENS
+
+
+class _FakeDraftRunner:
+    """A draft 'model' that always proposes token 5; records each forward's chunks."""
+
+    block_size, num_blocks = 4, 64
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.model_config = SimpleNamespace(vocab_size=VOCAB)
+        self.calls: list[list[tuple[int, int, int]]] = []
+
+    def forward(self, chunks):
+        self.calls.append([(c.start_pos, c.num_tokens, c.num_logits) for c in chunks])
+        logits = torch.zeros(sum(c.num_logits for c in chunks), VOCAB)
+        logits[:, 5] = 1.0
+        return logits
+
+
+def test_draft_prefills_a_new_context_once_in_its_own_forward():
+    from engine.spec_decode.draft import DraftModelProposer
+
+    runner = _FakeDraftRunner()
+    proposer = DraftModelProposer(runner, VOCAB)
+    r = Request("a", list(range(100, 130)), SamplingParams(temperature=0, max_tokens=16))
+    r.output_token_ids = [7]
+    assert proposer.propose_batch([r], {"a": 2}) == {"a": (5, 5)}
+    # the 30-token prompt in a forward of its own, then the first output token and one draft
+    assert runner.calls == [[(0, 30, 1)], [(30, 1, 1)], [(31, 1, 1)]]
+    assert proposer.num_prefill_tokens == 30 and proposer.take_prefill_seconds() > 0
+    assert proposer.take_prefill_seconds() == 0.0
+    r.output_token_ids += [5, 9]  # one draft accepted, then the target's token
+    runner.calls.clear()
+    proposer.propose_batch([r], {"a": 2})
+    assert runner.calls[0] == [(32, 1, 1)]  # steady state: the accepted draft is cached, only the new token
+    assert proposer.num_prefill_tokens == 30
+    proposer.release("a")
+    assert proposer.bm.num_used_blocks == 0

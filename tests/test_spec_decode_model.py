@@ -169,7 +169,11 @@ def test_self_draft_accepts_everything_and_abort_frees_draft_blocks(runner, draf
     assert_same_tokens([o.token_ids for o in outs], greedy_reference[:4])
     st = eng.stats()
     assert st.spec_num_draft_tokens > 0 and st.spec_num_accepted_tokens >= 0.95 * st.spec_num_draft_tokens
-    draft_bm = eng.speculator.proposer.bm
+    proposer = eng.speculator.proposer
+    # each prompt entered the draft cache once, in a prefill forward of its own (the first output
+    # token then starts the first draft), and never again
+    assert proposer.num_prefill_tokens == sum(len(p) for p in prompts[:4])
+    draft_bm = proposer.bm
     assert draft_bm.num_used_blocks == 0
     eng.add_request("x", prompts[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
     while not eng.speculator.counters.num_drafts or draft_bm.num_used_blocks == 0:

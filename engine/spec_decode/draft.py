@@ -7,8 +7,10 @@ and ``forget`` for anything no longer running). What the draft cache holds is tr
 tokens whose K/V it computed: after a verification, the longest common prefix of those and the
 request's tokens is still valid, the rest is recomputed (overwritten) by the next catch-up chunk.
 So the draft's prefill of a prompt whose KV came from a prefill worker (P/D) is recomputed on
-the decode side in the first catch-up chunk (counted in ``num_catchup_tokens``); nothing is
-shipped.
+the decode side, once, at the request's first drafted step, in a forward of its own (counted in
+``num_prefill_tokens``, timed in ``prefill_seconds``: a one-time prefill cost that the step-time
+model of speculation does not learn as the cost of drafting); nothing is shipped. A request
+that never drafts (k = 0 under load) never pays it.
 
 Drafts are the draft model's argmax: a deterministic function of the context, so q is one-hot
 and rejection.verify_one_hot is exact for every target sampling setting.
@@ -20,6 +22,7 @@ from typing import Sequence
 
 from engine.block_manager import BlockManager
 from engine.request import Request
+from engine.spec_decode.config import MAX_SPECULATIVE_TOKENS
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
@@ -50,6 +53,8 @@ class DraftModelProposer:
         self._known: dict[str, int] = {}
         self.num_forwards = 0
         self.num_catchup_tokens = 0
+        self.num_prefill_tokens = 0  # of those, in prefill forwards (a context new to the draft cache)
+        self.prefill_seconds = 0.0   # their time, not yet taken by take_prefill_seconds
 
     def propose_batch(self, requests: Sequence[Request], ks: dict[str, int]) -> dict[str, tuple[int, ...]]:
         """Up to ks[id] greedy draft tokens per request, in 1 catch-up forward + (max k - 1)
@@ -67,6 +72,7 @@ class DraftModelProposer:
             self._known[r.request_id] = len(tokens)
             self.num_catchup_tokens += len(tokens) - start
             rows.append((r.request_id, k, tokens, start))
+        rows = self._prefill_long_contexts(rows)
         drafts: dict[str, list[int]] = {rid: [] for rid, *_ in rows}
         chunks = [SeqChunk(tokens[start:], start, self.bm.block_table(rid)) for rid, _, tokens, start in rows]
         for rid, _, tokens, _ in rows:
@@ -84,6 +90,34 @@ class DraftModelProposer:
                 chunks.append(SeqChunk([drafts[rid][-1]], pos, self.bm.block_table(rid)))
                 self._written[rid].append(drafts[rid][-1])
         return {rid: tuple(d) for rid, d in drafts.items()}
+
+    def _prefill_long_contexts(self, rows: list) -> list:
+        """Rows whose catch-up is longer than any verification's (k + 1 <= MAX_SPECULATIVE_TOKENS + 1
+        tokens: a context the draft cache has not seen, e.g. a prompt whose KV came from a prefill
+        worker, or a prompt prefilled by this engine's target only) get their context
+        but the last token prefilled in one forward of its own, timed apart: a one-time prefill
+        cost, which ``take_prefill_seconds`` hands to the caller so the step-time model of
+        speculation does not learn it as the cost of drafting."""
+        import time
+
+        from engine.batch import SeqChunk
+
+        long = [(rid, tokens, start) for rid, _, tokens, start in rows if len(tokens) - start > MAX_SPECULATIVE_TOKENS + 1]
+        if not long:
+            return rows
+        began = time.perf_counter()
+        self.runner.forward([SeqChunk(tokens[start:-1], start, self.bm.block_table(rid), 1)
+                             for rid, tokens, start in long])
+        self.prefill_seconds += time.perf_counter() - began
+        self.num_prefill_tokens += sum(len(tokens) - 1 - start for _, tokens, start in long)
+        self.num_forwards += 1
+        moved = {rid for rid, _, _ in long}
+        return [(rid, k, tokens, len(tokens) - 1 if rid in moved else start) for rid, k, tokens, start in rows]
+
+    def take_prefill_seconds(self) -> float:
+        """Seconds spent in prefill forwards since the last call."""
+        seconds, self.prefill_seconds = self.prefill_seconds, 0.0
+        return seconds
 
     def release(self, request_id: str) -> None:
         self.bm.free(request_id)

@@ -124,8 +124,11 @@ class Speculator:
 
     # ---- 3. after the step -------------------------------------------------------------------
     def observe(self, plan: SchedulePlan, result: StepResult, seconds: float) -> None:
-        """Learn from a finished step: step time vs batched tokens, acceptance per request."""
-        self.time_model.observe(plan.num_batched_tokens, seconds)
+        """Learn from a finished step: step time vs batched tokens, acceptance per request.
+        A draft model's one-time prefill of a context new to its cache is not a drafting cost:
+        its time is taken out of ``seconds``."""
+        take = getattr(self.proposer, "take_prefill_seconds", None)
+        self.time_model.observe(plan.num_batched_tokens, seconds - (take() if take is not None else 0.0))
         c, verified = self.counters, 0
         for chunk in plan.chunks:
             k = len(chunk.draft_token_ids)
