@@ -18,7 +18,11 @@ speculative engine drafts with a model instead (for the bundled model, a quantiz
 itself); the draft's and the target's decode-step costs are measured alone beforehand (batch 1,
 a 256-token context, median of 20 forwards each) and their ratio reported: the ceiling of a
 draft's gain is set by it (with acceptance a and k drafts, one verification emits on average
-(1 - a^(k+1)) / (1 - a) tokens for the cost of 1 + k x ratio target steps).
+(1 - a^(k+1)) / (1 - a) tokens for the cost of 1 + k x ratio target steps). The draft's one-time
+prefill of each prompt (its cache starts empty: in P/D the decode worker recomputes every
+prompt's draft KV the same way) is reported per cell: tokens, seconds and share of the run.
+
+Defaults follow ``pdserve serve``: dtype auto, a 128-token step budget (2048 with no decode row).
 
 Run as ``pdserve bench spec`` or ``python -m bench.spec``. Speed is measured here, never in tests.
 """
@@ -178,7 +182,17 @@ class _Loop:
                 "acceptance_rate": st.spec_num_accepted_tokens / st.spec_num_draft_tokens if st.spec_num_draft_tokens else None,
                 "mean_accepted_length": 1 + st.spec_num_accepted_tokens / st.spec_num_drafts if st.spec_num_drafts else None,
                 "speculated_row_share": sum(hist[1:]) / sum(hist) if hist and sum(hist) else None,
-                "k_histogram": list(hist)}
+                "k_histogram": list(hist), **self._draft_figures()}
+
+    def _draft_figures(self) -> dict:
+        """A draft model's one-time prefill of each context new to its cache (in P/D: every
+        prompt, whose KV the decode worker recomputes for the draft): tokens and seconds."""
+        spec = self.eng.speculator
+        proposer = getattr(spec, "proposer", None)
+        if not hasattr(proposer, "num_prefill_tokens"):
+            return {}
+        return {"draft_prefill_tokens": proposer.num_prefill_tokens,
+                "draft_prefill_s": proposer.prefill_seconds_total, "draft_forwards": proposer.num_forwards}
 
 
 def _decode_step_ms(runner, context: int = 256, reps: int = 20) -> float:
@@ -206,7 +220,9 @@ def _print_row(c: dict) -> None:
           f"on {_fmt(on['tpot_p50_ms'], 1):>6} (x{_fmt(c['tpot_speedup'])}) | tok/s off {_fmt(off['output_tok_s'], 1):>6} "
           f"on {_fmt(on['output_tok_s'], 1):>6} (x{_fmt(c['throughput_ratio'])}) | accept {_fmt(on['acceptance_rate'])} "
           f"mean len {_fmt(on['mean_accepted_length'])} spec rows {_fmt(on['speculated_row_share'])} "
-          f"| load {c['load_avg_1m']:.1f}", flush=True)
+          + (f"| draft prefill {on['draft_prefill_tokens']} tok {on['draft_prefill_s']:.2f} s "
+             f"({on['draft_prefill_s'] / on['engine_seconds']:.0%} of the run) " if "draft_prefill_s" in on else "")
+          + f"| load {c['load_avg_1m']:.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,24 @@ def test_a_speculating_batch_drops_its_drafts_when_load_rises():
     assert choose_k([Candidate("a", 4, 0.8, 4)], 1, 1, m) == {"a": 4}  # alone, drafts pay
 
 
+def test_a_draft_model_pays_for_its_forwards():
+    """A draft forward costing 0.75 of a target step (the int8 self-draft at batch 1): even a
+    0.85-acceptance row does not draft; at 0.2 it does, several tokens deep; at 32 rows no row
+    pays the first draft forward alone."""
+    from engine.spec_decode.adaptive import DraftCost
+
+    m = StepTimeModel(prior_a=0.014, prior_b=0.0012)
+    one = [Candidate("a", 4, 0.85)]
+    assert choose_k(one, 1, 1, m, draft_forward_s=0.75 * m.predict(1)) == {"a": 0}
+    assert choose_k(one, 1, 1, m, draft_forward_s=0.2 * m.predict(1))["a"] >= 2
+    assert choose_k(one, 1, 1, m) == {"a": 4}  # n-gram: proposals are free
+    many = [Candidate(f"r{i}", 4, 0.85) for i in range(32)]
+    assert set(choose_k(many, 32, 32, m, draft_forward_s=0.2 * m.predict(32)).values()) == {0}
+    cost = DraftCost(prior_ratio=0.5)
+    cost.observe(0.75 * m.predict(8), 8, m)
+    assert cost.ratio == pytest.approx(0.75) and cost.predict(8, m) == pytest.approx(0.75 * m.predict(8))
+
+
 def test_acceptance_rate_counts_the_first_rejection_only():
     r = AcceptanceRate(prior=0.5, prior_weight=2.0, decay=1.0)
     r.observe(4, 4)
@@ -423,3 +441,20 @@ def test_draft_prefills_a_new_context_once_in_its_own_forward():
     assert proposer.num_prefill_tokens == 30
     proposer.release("a")
     assert proposer.bm.num_used_blocks == 0
+
+
+def test_the_step_time_model_learns_the_target_step_without_the_drafting():
+    from engine.spec_decode.draft import DraftModelProposer
+
+    s = make()
+    decoding(s, "a", n=30)
+    runner = _FakeDraftRunner()
+    spec = Speculator(SpeculativeConfig("draft", 2, model="x", adaptive=False), max_model_len=1024,
+                      proposer=DraftModelProposer(runner, VOCAB))
+    drafts = spec.drafts(s.running)
+    assert drafts == {"a": (5, 5)} and len(runner.calls) == 3  # prefill, 2 drafting forwards
+    plan = s.schedule(drafts)
+    spec.observe(plan, StepResult(verified={"a": (5, 9)}), seconds=1.0)
+    (mean, _), = spec.time_model._means.values()
+    assert 0.9 < mean < 1.0  # the drafting and the draft's prefill were taken out
+    assert spec.draft_cost.observations == 1 and spec.counters.num_accepted_tokens == 1

@@ -19,6 +19,13 @@ which is exactly when T = steps x a + b x tokens falls. Counting prefill tokens 
 make drafts look cheaper than they are (the scheduler also gives drafts only the budget the
 prefill chunks leave, engine/scheduler.py, so they never displace prefill work).
 
+A draft model adds its own forwards: a step whose deepest row drafts m tokens runs m draft
+forwards (batched over the rows) before the target's, each d = ratio x t(rows) seconds
+(DraftCost, the ratio learned online from the measured draft forwards). So an increment that
+deepens the step (k > every other row's) also pays d, one that does not rides along for free;
+at c rows a first draft pays ratio x t(c) + b: a draft costing 0.75 of a target step is refused
+unless alpha is near 1 (and at any load beyond one row). n-gram proposals cost nothing (d = 0).
+
 Hysteresis on the margin: an increment a request already had last step is kept while its gain
 is at least (1 - h) of its cost, a new one needs (1 + h), so k does not flip every step on
 measurement noise; a kept draft can lose at most h of one token's cost, never a share of the
@@ -112,6 +119,25 @@ class StepTimeModel:
         return self.a + self.b * max(num_tokens, 0)
 
 
+class DraftCost:
+    """Seconds of one draft-model forward over R rows, d(R) = ratio x t(R) with t the target's
+    StepTimeModel; ratio starts at ``prior_ratio`` (optimistic, so speculation is tried and
+    measured) and follows an exponential moving average of measured forwards."""
+
+    def __init__(self, prior_ratio: float = 0.5, ema: float = 0.2) -> None:
+        self.ratio, self.ema, self.observations = prior_ratio, ema, 0
+
+    def observe(self, seconds_per_forward: float, rows: int, time_model: StepTimeModel) -> None:
+        if seconds_per_forward <= 0 or rows < 1:
+            return
+        ratio = seconds_per_forward / time_model.predict(rows)
+        self.ratio = ratio if not self.observations else self.ratio + self.ema * (ratio - self.ratio)
+        self.observations += 1
+
+    def predict(self, rows: int, time_model: StepTimeModel) -> float:
+        return self.ratio * time_model.predict(rows)
+
+
 @dataclass(frozen=True)
 class Candidate:
     """A decode row that could verify drafts: up to cap tokens (the proposal's length and the
@@ -123,30 +149,33 @@ class Candidate:
     previous_k: int = 0
 
 
-def draft_cost(step_tokens: float, batch_tokens: int, time_model: StepTimeModel) -> float:
-    """Output tokens one more batched token must add to keep the step's tokens per second:
-    S (t(B + 1) / t(B) - 1) for a step of B batched tokens expected to emit S tokens."""
-    return step_tokens * (time_model.predict(batch_tokens + 1) / time_model.predict(batch_tokens) - 1)
+def draft_cost(step_tokens: float, seconds: float, seconds_after: float) -> float:
+    """Output tokens an increment must add to keep the step's tokens per second: S (t' / t - 1)
+    for a step expected to emit S tokens in t seconds, t' with the increment."""
+    return step_tokens * (seconds_after / seconds - 1)
 
 
 def choose_k(candidates: list[Candidate], base_tokens: int, base_rows: int, time_model: StepTimeModel,
-             hysteresis: float = HYSTERESIS) -> dict[str, int]:
+             hysteresis: float = HYSTERESIS, draft_forward_s: float = 0.0) -> dict[str, int]:
     """k per candidate maximising expected tokens per second (see the module docstring).
 
     base_tokens: tokens of the step without any draft (its decode rows); base_rows: decode rows
-    of the step (each emits one token with k = 0).
+    of the step (each emits one token with k = 0); draft_forward_s: seconds of one draft-model
+    forward over these rows (0 for a proposer without a model).
     """
     ks = {c.request_id: 0 for c in candidates}
     heap = [(-c.alpha, 1, i, c) for i, c in enumerate(candidates) if c.cap > 0 and c.alpha > 0]
     heapq.heapify(heap)
-    tokens, batch = float(max(base_rows, 1)), max(base_tokens, 1)
+    tokens, batch, depth = float(max(base_rows, 1)), max(base_tokens, 1), 0
+    seconds = time_model.predict(batch)
     while heap:
         neg_gain, k, i, c = heapq.heappop(heap)
         gain = -neg_gain
         margin = (1 - hysteresis) if k <= c.previous_k else (1 + hysteresis)
-        if gain <= margin * draft_cost(tokens, batch, time_model):
+        after = time_model.predict(batch + 1) + max(depth, k) * draft_forward_s
+        if gain <= margin * draft_cost(tokens, seconds, after):
             continue  # this row's later drafts gain even less
-        tokens, batch, ks[c.request_id] = tokens + gain, batch + 1, k
+        tokens, batch, depth, seconds, ks[c.request_id] = tokens + gain, batch + 1, max(depth, k), after, k
         if k < c.cap:
             heapq.heappush(heap, (-gain * c.alpha, k + 1, i, c))
     return ks

@@ -18,6 +18,7 @@ and rejection.verify_one_hot is exact for every target sampling setting.
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 from engine.block_manager import BlockManager
@@ -55,6 +56,8 @@ class DraftModelProposer:
         self.num_catchup_tokens = 0
         self.num_prefill_tokens = 0  # of those, in prefill forwards (a context new to the draft cache)
         self.prefill_seconds = 0.0   # their time, not yet taken by take_prefill_seconds
+        self.prefill_seconds_total = 0.0
+        self._last_drafting: tuple[float, int, int] = (0.0, 0, 0)
 
     def propose_batch(self, requests: Sequence[Request], ks: dict[str, int]) -> dict[str, tuple[int, ...]]:
         """Up to ks[id] greedy draft tokens per request, in 1 catch-up forward + (max k - 1)
@@ -78,9 +81,11 @@ class DraftModelProposer:
         for rid, _, tokens, _ in rows:
             self._written[rid] = list(tokens)
         live = [(rid, k, len(tokens)) for rid, k, tokens, _ in rows]
+        began, forwards = time.perf_counter(), 0
         while chunks:
             next_ids = self.runner.forward(chunks).argmax(dim=-1).tolist()
             self.num_forwards += 1
+            forwards += 1
             for (rid, _, _), t in zip(live, next_ids):
                 drafts[rid].append(t)
             live = [(rid, k, n) for rid, k, n in live if len(drafts[rid]) < k]
@@ -89,6 +94,8 @@ class DraftModelProposer:
                 pos = n + len(drafts[rid]) - 1
                 chunks.append(SeqChunk([drafts[rid][-1]], pos, self.bm.block_table(rid)))
                 self._written[rid].append(drafts[rid][-1])
+        if forwards:
+            self._last_drafting = (time.perf_counter() - began, forwards, len(rows))
         return {rid: tuple(d) for rid, d in drafts.items()}
 
     def _prefill_long_contexts(self, rows: list) -> list:
@@ -98,8 +105,6 @@ class DraftModelProposer:
         but the last token prefilled in one forward of its own, timed apart: a one-time prefill
         cost, which ``take_prefill_seconds`` hands to the caller so the step-time model of
         speculation does not learn it as the cost of drafting."""
-        import time
-
         from engine.batch import SeqChunk
 
         long = [(rid, tokens, start) for rid, _, tokens, start in rows if len(tokens) - start > MAX_SPECULATIVE_TOKENS + 1]
@@ -108,11 +113,19 @@ class DraftModelProposer:
         began = time.perf_counter()
         self.runner.forward([SeqChunk(tokens[start:-1], start, self.bm.block_table(rid), 1)
                              for rid, tokens, start in long])
-        self.prefill_seconds += time.perf_counter() - began
+        elapsed = time.perf_counter() - began
+        self.prefill_seconds += elapsed
+        self.prefill_seconds_total += elapsed
         self.num_prefill_tokens += sum(len(tokens) - 1 - start for _, tokens, start in long)
         self.num_forwards += 1
         moved = {rid for rid, _, _ in long}
         return [(rid, k, tokens, len(tokens) - 1 if rid in moved else start) for rid, k, tokens, start in rows]
+
+    def take_drafting(self) -> tuple[float, int, int]:
+        """(seconds, forwards, rows) of the drafting forwards of the last propose_batch (its
+        prefill forward excluded), or (0.0, 0, 0); reset by the call."""
+        last, self._last_drafting = self._last_drafting, (0.0, 0, 0)
+        return last
 
     def take_prefill_seconds(self) -> float:
         """Seconds spent in prefill forwards since the last call."""

@@ -22,7 +22,8 @@ from typing import Sequence
 from engine.plan import SchedulePlan, StepResult
 from engine.request import Request, RequestState
 from proto.sampling import SamplingParams
-from engine.spec_decode.adaptive import HYSTERESIS, AcceptanceRate, Candidate, StepTimeModel, choose_k, draft_cost
+from engine.spec_decode.adaptive import (HYSTERESIS, AcceptanceRate, Candidate, DraftCost, StepTimeModel, choose_k,
+                                         draft_cost)
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer
 
@@ -57,6 +58,11 @@ class Speculator:
         self.max_model_len = max_model_len
         self.proposer = proposer or NgramProposer(config.ngram_min, config.ngram_max)
         self.time_model = StepTimeModel()
+        # a draft model's forwards, apart from the target's step (None: proposals cost nothing)
+        self.draft_cost = None if self.proposer.is_free else DraftCost()
+        # a draft model is chosen to agree with its target (an 8-bit copy of the bundled model:
+        # ~93%), prompt lookup often finds nothing worth much: the priors a new request starts at
+        self._prior = 0.5 if self.proposer.is_free else 0.8
         self.acceptance: dict[str, AcceptanceRate] = {}
         self.previous_k: dict[str, int] = {}
         self.counters = SpecCounters(k_histogram=[0] * (config.num_speculative_tokens + 1))
@@ -95,14 +101,20 @@ class Speculator:
         such a row's draft after other rows raised S and B."""
         if not self.config.adaptive or not eligible:
             return eligible
-        floor = (1 + HYSTERESIS) * draft_cost(max(num_decode_rows, 1), max(num_decode_rows, 1), self.time_model)
+        rows = max(num_decode_rows, 1)
+        t = self.time_model.predict
+        floor = (1 + HYSTERESIS) * draft_cost(rows, t(rows), t(rows + 1) + self._draft_forward_s(rows))
         return [r for r in eligible if self._rate(r.request_id).value > floor or self.previous_k.get(r.request_id)]
 
     def _choose(self, caps: dict[str, int], num_decode_rows: int) -> dict[str, int]:
         if not self.config.adaptive:
             return dict(caps)
         cands = [Candidate(rid, cap, self._rate(rid).value, self.previous_k.get(rid, 0)) for rid, cap in caps.items()]
-        return choose_k(cands, num_decode_rows, num_decode_rows, self.time_model)
+        return choose_k(cands, num_decode_rows, num_decode_rows, self.time_model,
+                        draft_forward_s=self._draft_forward_s(len(cands)))
+
+    def _draft_forward_s(self, rows: int) -> float:
+        return 0.0 if self.draft_cost is None else self.draft_cost.predict(max(rows, 1), self.time_model)
 
     def release(self, request_id: str) -> None:
         """The request finished or was aborted: free what the proposer holds for it (draft blocks)."""
@@ -113,7 +125,7 @@ class Speculator:
     def _rate(self, request_id: str) -> AcceptanceRate:
         rate = self.acceptance.get(request_id)
         if rate is None:
-            rate = self.acceptance[request_id] = AcceptanceRate()
+            rate = self.acceptance[request_id] = AcceptanceRate(prior=self._prior)
         return rate
 
     def _forget(self, live: set[str]) -> None:
@@ -124,11 +136,15 @@ class Speculator:
 
     # ---- 3. after the step -------------------------------------------------------------------
     def observe(self, plan: SchedulePlan, result: StepResult, seconds: float) -> None:
-        """Learn from a finished step: step time vs batched tokens, acceptance per request.
-        A draft model's one-time prefill of a context new to its cache is not a drafting cost:
-        its time is taken out of ``seconds``."""
-        take = getattr(self.proposer, "take_prefill_seconds", None)
-        self.time_model.observe(plan.num_batched_tokens, seconds - (take() if take is not None else 0.0))
+        """Learn from a finished step (``seconds``: drafting included): the target's step time vs
+        batched tokens, a draft model's seconds per forward, acceptance per request. A draft
+        model's one-time prefill of a context new to its cache is neither: it is left out."""
+        if self.draft_cost is not None:
+            draft_s, forwards, rows = self.proposer.take_drafting()
+            seconds -= draft_s + self.proposer.take_prefill_seconds()
+        self.time_model.observe(plan.num_batched_tokens, seconds)
+        if self.draft_cost is not None and forwards:
+            self.draft_cost.observe(draft_s / forwards, rows, self.time_model)
         c, verified = self.counters, 0
         for chunk in plan.chunks:
             k = len(chunk.draft_token_ids)
