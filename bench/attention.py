@@ -45,10 +45,15 @@ def command(
     repeats: int = typer.Option(9, "--repeats", help="Timed repeats (median)."),
     threads: int = typer.Option(0, "--threads", help="torch threads (0 = the cores this process may use)."),
     profile: bool = typer.Option(False, "--profile", help="Also print torch.profiler's top ops of one step."),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype",
+                                       help="KV cache of the step part: auto (= dtype) or fp8_e4m3 (calibrated scales)."),
 ) -> None:
     """Attention ms per layer (reference vs kernel) and decode step ms per backend."""
     import torch
 
+    from engine.quantization import check_kv_cache_dtype
+
+    kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
     torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
     names = [d.strip() for d in dtypes.split(",") if d.strip()]
     result = {"threads": torch.get_num_threads(), "load_before": os.getloadavg(),
@@ -59,7 +64,8 @@ def command(
                 result["op"].append(_op(getattr(torch, dtype), batch, context, repeats))
     if step_batch:
         for dtype in names:
-            result["step"].append(_step(model, getattr(torch, dtype), step_batch, step_context, repeats, profile))
+            result["step"].append(_step(model, getattr(torch, dtype), step_batch, step_context, repeats, profile,
+                                        kv_cache_dtype))
     result["load_after"] = os.getloadavg()
     _print_table(result)
     json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -104,7 +110,7 @@ def _op(dtype, batch: int, context: int, repeats: int) -> dict:
             "cpu_kv_read_gb_s": kv_bytes / (per_layer["cpu"]["cpu"] / 1000) / 1e9}
 
 
-def _step(model: str, dtype, batch: int, context: int, repeats: int, profile: bool) -> dict:
+def _step(model: str, dtype, batch: int, context: int, repeats: int, profile: bool, kv_cache_dtype: str = "auto") -> dict:
     import torch
 
     from engine.batch import SeqChunk
@@ -113,7 +119,7 @@ def _step(model: str, dtype, batch: int, context: int, repeats: int, profile: bo
 
     blocks_per_seq = -(-(context + 9) // BLOCK)
     runner = ModelRunner(model, block_size=BLOCK, num_blocks=batch * blocks_per_seq + 1, dtype=dtype,
-                         attention_backend="torch")
+                         attention_backend="torch", kv_cache_dtype=kv_cache_dtype)
     tables = [list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)) for b in range(batch)]
     chunks = [SeqChunk([b + 1], context + b % 8, tables[b]) for b in range(batch)]   # K/V values do not matter
     backends = {"torch": get_attention_backend("torch"), "cpu": get_attention_backend("cpu")}
@@ -128,7 +134,8 @@ def _step(model: str, dtype, batch: int, context: int, repeats: int, profile: bo
         return run
 
     times = _interleaved({name: step(name) for name in backends}, repeats)
-    out = {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "context": context}
+    out = {"dtype": str(dtype).removeprefix("torch."), "kv_cache_dtype": kv_cache_dtype, "batch": batch,
+           "context": context}
     for name in backends:
         calls = repeats + 1   # warm-up included in the attention total
         out[f"{name}_ms_per_step"] = 1000 * times[name]["cpu"]
@@ -204,10 +211,10 @@ def _print_table(result: dict) -> None:
               f"{r['cpu_ms_per_layer']:8.3f} {r['speedup']:7.2f}x {r['cpu_kv_read_gb_s']:11.1f}")
     if result["step"]:
         print("\ndecode step (ms, CPU time): whole step / attention in it / metadata build")
-        print(f"{'dtype':9} {'batch':>5} {'ctx':>5} {'torch step':>10} {'attn':>6} {'meta':>6} "
+        print(f"{'dtype':9} {'kv':>8} {'batch':>5} {'ctx':>5} {'torch step':>10} {'attn':>6} {'meta':>6} "
               f"{'cpu step':>9} {'attn':>6} {'meta':>6} {'speedup':>8}")
         for r in result["step"]:
-            print(f"{r['dtype']:9} {r['batch']:5d} {r['context']:5d} {r['torch_ms_per_step']:10.1f} "
+            print(f"{r['dtype']:9} {r.get('kv_cache_dtype', 'auto'):>8} {r['batch']:5d} {r['context']:5d} {r['torch_ms_per_step']:10.1f} "
                   f"{r['torch_attention_ms_per_step']:6.1f} {r['torch_metadata_ms_per_step']:6.2f} "
                   f"{r['cpu_ms_per_step']:9.1f} {r['cpu_attention_ms_per_step']:6.1f} "
                   f"{r['cpu_metadata_ms_per_step']:6.2f} {r['step_speedup']:7.2f}x")

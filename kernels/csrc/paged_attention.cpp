@@ -62,8 +62,27 @@ using pdserve_simd::exp_neg;
 using pdserve_simd::load16;
 #endif
 
-constexpr int kTileRows = 48;        // rows per KV head of one item (16 queries at G = 3)
-constexpr int kPartitionKeys = 256;  // keys per partition (rounded to whole blocks)
+// Tuning knobs (-D to measure variants): rows per KV head of one item (16 queries at G = 3); keys
+// per partition (rounded to whole blocks; 512 measured 0-10% faster than 256 for decode at 2
+// threads, 128 slower); whether pass 1 also asks for the next V block (into L2: without it
+// decode is 5-15% slower); how many blocks ahead the prefetches go.
+#ifndef PDSERVE_ATTN_TILE_ROWS
+#define PDSERVE_ATTN_TILE_ROWS 48
+#endif
+#ifndef PDSERVE_ATTN_PARTITION
+#define PDSERVE_ATTN_PARTITION 512
+#endif
+#ifndef PDSERVE_ATTN_PREFETCH_AHEAD
+#define PDSERVE_ATTN_PREFETCH_AHEAD 1
+#endif
+#ifndef PDSERVE_ATTN_EARLY_V_PREFETCH
+#define PDSERVE_ATTN_EARLY_V_PREFETCH 1
+#endif
+#ifndef PDSERVE_ATTN_WHOLE_MAX_ROWS
+#define PDSERVE_ATTN_WHOLE_MAX_ROWS 1024
+#endif
+constexpr int kTileRows = PDSERVE_ATTN_TILE_ROWS;
+constexpr int kPartitionKeys = PDSERVE_ATTN_PARTITION;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 template <typename T>
@@ -130,8 +149,18 @@ template <int NC>
 inline void scores_f32(const float* q, const float* kf, int64_t ld, int n, float* s) {
   __m512 qv[NC];
   for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  for (int t0 = 0; t0 < n; t0 += 16) {
-    const int m = std::min(16, n - t0);
+  int t0 = 0;
+  for (; t0 + 16 <= n; t0 += 16) {   // whole groups of 16 keys: no per-key branch
+    __m512 a[16];
+    const float* k = kf + t0 * ld;
+    for (int t = 0; t < 16; ++t) {
+      a[t] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k + t * ld));
+      for (int c = 1; c < NC; ++c) a[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + t * ld + 16 * c), a[t]);
+    }
+    _mm512_storeu_ps(s + t0, reduce16(a));
+  }
+  if (t0 < n) {
+    const int m = n - t0;
     __m512 a[16];
     for (int t = 0; t < 16; ++t) {
       if (t >= m) {
@@ -193,8 +222,18 @@ inline void scores_bf16(const at::BFloat16* q, const at::BFloat16* kc, int64_t l
   __m512bh qv[NC2];
   for (int c = 0; c < NC2; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int t0 = 0; t0 < n; t0 += 16) {
-    const int m = std::min(16, n - t0);
+  int t0 = 0;
+  for (; t0 + 16 <= n; t0 += 16) {   // whole groups of 16 keys: no per-key branch
+    __m512 a[16];
+    const at::BFloat16* k = kc + t0 * ld;
+    for (int t = 0; t < 16; ++t) {
+      a[t] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(k + t * ld));
+      for (int c = 1; c < NC2; ++c) a[t] = _mm512_dpbf16_ps(a[t], qv[c], (__m512bh)_mm512_loadu_si512(k + t * ld + 32 * c));
+    }
+    _mm512_storeu_ps(s + t0, _mm512_mul_ps(reduce16(a), vscale));
+  }
+  if (t0 < n) {
+    const int m = n - t0;
     __m512 a[16];
     for (int t = 0; t < 16; ++t) {
       a[t] = _mm512_setzero_ps();
@@ -207,20 +246,24 @@ inline void scores_bf16(const at::BFloat16* q, const at::BFloat16* kc, int64_t l
 }
 #endif
 
-// Whether the query . key products run on the bf16 cache directly (AVX512-BF16, d in {32, 64, 128}).
+// Whether the query . key products run as bf16 dot products (AVX512-BF16, d in {32, 64, 128}):
+// a bf16 query over a bf16 cache (read in place) or an FP8 cache (each K block converted to bf16
+// once, exactly: E4M3 values have 4 significant bits; the K scale applied to the fp32 sums).
 template <typename Q, typename KV>
 inline bool native_bf16(int d) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<KV, at::BFloat16>) return d == 32 || d == 64 || d == 128;
+  if constexpr (std::is_same_v<Q, at::BFloat16> &&
+                (std::is_same_v<KV, at::BFloat16> || std::is_same_v<KV, at::Float8_e4m3fn>))
+    return d == 32 || d == 64 || d == 128;
 #endif
   (void)d;
   return false;
 }
 
-template <typename Q, typename KV>
-inline void scores_native(const Q* q, const KV* kc, int64_t ld, int n, int d, float scale, float* s) {
+template <typename Q>
+inline void scores_native(const Q* q, const at::BFloat16* kc, int64_t ld, int n, int d, float scale, float* s) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<KV, at::BFloat16>) {
+  if constexpr (std::is_same_v<Q, at::BFloat16>) {
     switch (d) {
       case 64: return scores_bf16<2>(q, kc, ld, n, scale, s);
       case 128: return scores_bf16<4>(q, kc, ld, n, scale, s);
@@ -230,6 +273,19 @@ inline void scores_native(const Q* q, const KV* kc, int64_t ld, int n, int d, fl
   }
 #endif
   (void)q, (void)kc, (void)ld, (void)n, (void)d, (void)scale, (void)s;
+}
+
+// dst[t * d + i] = src[t * stride + i] as bf16 (exact for E4M3), t < n, d a multiple of 16.
+template <typename T>
+inline void load_block_bf16(at::BFloat16* dst, const T* src, int64_t stride, int n, int d) {
+#if defined(__AVX512BF16__)
+  for (int t = 0; t < n; ++t)
+    for (int i = 0; i < d; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + t * d + i), (__m256i)_mm512_cvtneps_pbh(load16(src + t * stride + i)));
+#else
+  for (int t = 0; t < n; ++t)
+    for (int i = 0; i < d; ++i) dst[t * d + i] = static_cast<at::BFloat16>(to_f32(src[t * stride + i]));
+#endif
 }
 
 // s[t] = q . k_t for t < n (fp32 rows of length d, k_t = kf + t * ld).
@@ -360,8 +416,14 @@ struct Call {
   int64_t partial_rows;
 };
 
+// Head h's scale of an FP8 cache (1 without one).
+inline float head_scale(const float* scale, int64_t n, int64_t h) { return scale == nullptr ? 1.f : scale[n == 1 ? 0 : h]; }
+
 struct Scratch {
   std::vector<float> q, acc, m, l, s, kf, vf;
+  std::vector<at::BFloat16> kb;   // an FP8 K block as bf16
+  std::vector<int64_t> row_off;   // offset of each row's query (and output) vector, per head and row
+  std::vector<int64_t> limit;     // each row's causal limit: keys < limit are visible
 };
 
 template <typename Q, typename KV>
@@ -380,17 +442,25 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w) {
   w.l.assign(all_rows, 0.f);
   w.s.resize(all_rows * c.partition);
   w.kf.resize(static_cast<size_t>(bs) * d);
+  if constexpr (!std::is_same_v<KV, at::BFloat16>) if (native) w.kb.resize(static_cast<size_t>(bs) * d);
   w.vf.resize(static_cast<size_t>(bs) * d);
-  auto q_row = [&](int h, int r) {
-    return c.query + (first + it.q0 + r / group) * c.q_tok + (static_cast<int64_t>(h) * group + r % group) * c.q_head;
-  };
+  // Row r of head h: query token q0 + r / group, query head h * group + r % group (divisions
+  // once per item, not per block).
+  w.row_off.resize(all_rows);
+  w.limit.resize(rows);
+  for (int r = 0; r < rows; ++r) w.limit[r] = start + it.q0 + r / group + 1;
+  for (int hh = 0; hh < nh; ++hh)
+    for (int r = 0; r < rows; ++r)
+      w.row_off[static_cast<size_t>(hh) * rows + r] =
+          (first + it.q0 + r / group) * c.q_tok + (static_cast<int64_t>(it.h0 + hh) * group + r % group) * c.q_head;
+  auto q_row = [&](int hh, int r) { return c.query + w.row_off[static_cast<size_t>(hh) * rows + r]; };
   if (!native) {   // fp32 rows, scale (and an FP8 cache's K scale) folded in
     w.q.resize(all_rows * d);
     for (int hh = 0; hh < nh; ++hh) {
       const int h = it.h0 + hh;
       const float ks = c.k_scale == nullptr ? 1.f : c.k_scale[c.scale_heads == 1 ? 0 : h];
       for (int r = 0; r < rows; ++r) {
-        const Q* src = q_row(h, r);
+        const Q* src = q_row(hh, r);
         float* dst = w.q.data() + (static_cast<size_t>(hh) * rows + r) * d;
         for (int i = 0; i < d; ++i) dst[i] = to_f32(src[i]) * c.scale * ks;
       }
@@ -407,26 +477,37 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w) {
     for (int64_t kb = kb0; kb < kb1; ++kb) {
       const int64_t base = kb * bs;
       const int n = static_cast<int>(std::min<int64_t>(bs, p1 - base));
-      if (kb + 1 < kb1) {   // the next K block into L1, its V block into L2 for pass 3
-        const int64_t next = table[kb + 1] * c.cs[0] + static_cast<int64_t>(it.h0) * c.cs[2];
-        const int n_next = static_cast<int>(std::min<int64_t>(bs, p1 - base - bs));
+      if (kb + PDSERVE_ATTN_PREFETCH_AHEAD < kb1) {   // a later K block into L1, its V block into L2 for pass 3
+        const int64_t ahead = PDSERVE_ATTN_PREFETCH_AHEAD;
+        const int64_t next = table[kb + ahead] * c.cs[0] + static_cast<int64_t>(it.h0) * c.cs[2];
+        const int n_next = static_cast<int>(std::min<int64_t>(bs, p1 - base - ahead * bs));
         prefetch_block(c.key_cache + next, c.cs[1], n_next, span, 0);
-        prefetch_block(c.value_cache + next, c.cs[1], n_next, span, 1);
+        if (PDSERVE_ATTN_EARLY_V_PREFETCH) prefetch_block(c.value_cache + next, c.cs[1], n_next, span, 1);
       }
       for (int hh = 0; hh < nh; ++hh) {
         const int64_t off = table[kb] * c.cs[0] + static_cast<int64_t>(it.h0 + hh) * c.cs[2];
         const float* kf = nullptr;
+        const at::BFloat16* kb = nullptr;   // the bf16 K rows of the native path
         int64_t ld = d;
         if constexpr (std::is_same_v<KV, float>) {
           kf = c.key_cache + off;
           ld = c.cs[1];
-        } else if (!native) {
+        } else if (native) {
+          if constexpr (std::is_same_v<KV, at::BFloat16>) {
+            kb = c.key_cache + off;
+            ld = c.cs[1];
+          } else {
+            load_block_bf16(w.kb.data(), c.key_cache + off, c.cs[1], n, d);
+            kb = w.kb.data();
+          }
+        } else {
           load_block(w.kf.data(), c.key_cache + off, c.cs[1], n, d);
           kf = w.kf.data();
         }
+        const float ks = native ? c.scale * head_scale(c.k_scale, c.scale_heads, it.h0 + hh) : 1.f;
         for (int r = 0; r < rows; ++r) {
           float* s = w.s.data() + (static_cast<size_t>(hh) * rows + r) * ps + (base - p0);
-          if (native) scores_native(q_row(it.h0 + hh, r), c.key_cache + off, c.cs[1], n, d, c.scale, s);
+          if (native) scores_native(q_row(hh, r), kb, ld, n, d, ks, s);
           else scores(w.q.data() + (static_cast<size_t>(hh) * rows + r) * d, kf, ld, n, d, s);
         }
       }
@@ -437,8 +518,7 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w) {
     for (int hh = 0; hh < nh; ++hh)
       for (int r = 0; r < rows; ++r) {
         const size_t hr = static_cast<size_t>(hh) * rows + r;
-        const int64_t limit = start + it.q0 + r / group + 1;   // keys < limit are visible
-        const int vis = static_cast<int>(std::clamp<int64_t>(limit - p0, 0, plen));
+        const int vis = static_cast<int>(std::clamp<int64_t>(w.limit[r] - p0, 0, plen));
         if (softmax_row(w.s.data() + hr * ps, vis, plen, w.m[hr], w.l[hr], w.acc.data() + hr * d, d) && hh == 0)
           live_rows = r + 1;
       }
@@ -447,9 +527,10 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w) {
     for (int64_t kb = kb0; kb < kb1; ++kb) {
       const int64_t base = kb * bs;
       const int n = static_cast<int>(std::min<int64_t>(bs, p1 - base));
-      if (kb + 1 < kb1) {
-        const int64_t next = table[kb + 1] * c.cs[0] + static_cast<int64_t>(it.h0) * c.cs[2];
-        prefetch_block(c.value_cache + next, c.cs[1], static_cast<int>(std::min<int64_t>(bs, p1 - base - bs)), span, 0);
+      if (kb + PDSERVE_ATTN_PREFETCH_AHEAD < kb1) {
+        const int64_t ahead = PDSERVE_ATTN_PREFETCH_AHEAD;
+        const int64_t next = table[kb + ahead] * c.cs[0] + static_cast<int64_t>(it.h0) * c.cs[2];
+        prefetch_block(c.value_cache + next, c.cs[1], static_cast<int>(std::min<int64_t>(bs, p1 - base - ahead * bs)), span, 0);
       }
       for (int hh = 0; hh < nh; ++hh) {
         const int64_t off = table[kb] * c.cs[0] + static_cast<int64_t>(it.h0 + hh) * c.cs[2];
@@ -534,7 +615,9 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, 
   // With enough tiles for every thread, one item reads all KV heads of a tile (each block one
   // contiguous range); otherwise one item per KV head, and a long sequence's keys split over
   // several items (split-K) until every thread has about two items.
-  const bool whole = static_cast<int64_t>(tiles.size()) >= 2 * threads;
+  int max_tile_q = 0;
+  for (const Tile& t : tiles) max_tile_q = std::max(max_tile_q, t.q1 - t.q0);
+  const bool whole = static_cast<int64_t>(tiles.size()) >= 2 * threads && max_tile_q * c.group <= PDSERVE_ATTN_WHOLE_MAX_ROWS;
   const int64_t per_tile = whole ? 1 : num_kv_heads;
   const int64_t base_items = static_cast<int64_t>(tiles.size()) * per_tile;
   const int64_t want = 2 * threads;
