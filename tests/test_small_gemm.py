@@ -54,12 +54,13 @@ def test_prefill_sized_inputs_match_too(available):
     assert rel(_small_gemm_kernel(w)(x), x.float() @ w.float().T) < 2 ** -7
 
 
-def test_two_threads_give_the_same_result(available):
-    w = torch.randn(4096, 64).bfloat16()
+@pytest.mark.parametrize("n", [4096, 576])   # 576: few wide units, split narrower over two threads
+def test_two_threads_give_the_same_result(available, n):
+    w = torch.randn(n, 64).bfloat16()
+    kernel = _small_gemm_kernel(w)
     threads = torch.get_num_threads()
-    for m in (5, 16, 40):
+    for m in (1, 5, 16, 40):
         x = torch.randn(m, 64).bfloat16()
-        kernel = _small_gemm_kernel(w)
         try:
             torch.set_num_threads(1)
             one = kernel(x)
@@ -68,6 +69,7 @@ def test_two_threads_give_the_same_result(available):
         finally:
             torch.set_num_threads(threads)
         assert torch.equal(one, two), m
+        assert rel(one, x.float() @ w.float().T) < 2 ** -7, m
 
 
 def test_packing_layout_round_trips(available):

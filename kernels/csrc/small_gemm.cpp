@@ -125,7 +125,11 @@ void small_gemm_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
   if (m == 0) return;
   const int64_t passes = (m + kMaxRows - 1) / kMaxRows;
   const int64_t per_pass = (m + passes - 1) / passes;   // 20 rows: two passes of 10, not 16 + 4
-  const int nt = tiles_for(static_cast<int>(per_pass));
+  // Fewer tiles at once where wide units would split unevenly over the threads (576 columns =
+  // 36 tiles at 8 a unit: 5 units, 3 + 2 on two threads); any NT below tiles_for(rows) is valid.
+  int nt = tiles_for(static_cast<int>(per_pass));
+  const int64_t threads = at::get_num_threads();
+  while (nt > 1 && threads > 1 && (tiles + nt - 1) / nt < 4 * threads) nt /= 2;
   const int64_t units = (tiles + nt - 1) / nt;
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
