@@ -157,8 +157,8 @@ def _fastest(kernels: dict[str, Kernel], in_features: int, dtype: torch.dtype, d
              evict: Callable[[], None] | None = None) -> str:
     """The kernel with the least best-of-``rounds`` time on a random [rows, in_features] input.
 
-    One warm-up call each (which also checks the kernel runs here: one that raises is never
-    chosen); kernels over 3x slower than the fastest warm-up are dropped (CPU ``_scaled_mm`` is
+    One warm-up call each, in cache (which also checks the kernel runs here: one that raises is
+    never chosen); kernels over 3x slower than the fastest warm-up are dropped (CPU ``_scaled_mm`` is
     ~30x slower than bf16); the rest are timed round-robin, each round about ``budget_s`` per
     kernel, and each keeps its minimum, which other processes on a busy machine inflate least.
     evict: called before every timed call (one call per round then): the time of a kernel on a
@@ -172,15 +172,15 @@ def _fastest(kernels: dict[str, Kernel], in_features: int, dtype: torch.dtype, d
     with torch.inference_mode():
         for name, kernel in kernels.items():
             try:
-                best[name] = _time(kernel, x, 1, device, evict)
+                best[name] = _time(kernel, x, 1, device)
             except (RuntimeError, NotImplementedError):
                 continue
         if not best:
             raise RuntimeError(f"no linear kernel runs here for {dtype} on {device}: tried {list(kernels)}")
         fastest = min(best.values())
-        best = {name: t for name, t in best.items() if t <= 3 * fastest}
+        best = {name: (t if evict is None else float("inf")) for name, t in best.items() if t <= 3 * fastest}
         reps = 1 if evict is not None else max(1, min(10, int(budget_s / max(fastest, 1e-6))))
-        for _ in range(rounds if evict is None else rounds + 2):   # one call a round: a few more
+        for _ in range(rounds if evict is None else rounds + 1):   # one call a round: one more
             for name in best:
                 best[name] = min(best[name], _time(kernels[name], x, reps, device, evict))
     winner = min(best, key=best.__getitem__)
@@ -202,12 +202,14 @@ def _time(kernel: Kernel, x: torch.Tensor, reps: int, device: torch.device,
 
 
 def _cache_evictor(device: torch.device) -> Callable[[], None] | None:
-    """A function that pushes every weight out of this CPU's caches (it writes a scratch buffer
-    1.5x the last-level cache; the buffer lives as long as the function), or None off CPU."""
+    """A function that pushes every weight out of this CPU's caches (it reads a buffer 1.5x the
+    last-level cache, written once so its pages are real; read, not written, so the timed call
+    finds clean lines, as a decode step does, instead of paying their write-back), or None off
+    CPU. The buffer lives as long as the function."""
     if device.type != "cpu":
         return None
-    scratch = torch.empty(int(1.5 * _last_level_cache_bytes()) // 4)
-    return lambda: scratch.fill_(1.0)
+    scratch = torch.ones(int(1.5 * _last_level_cache_bytes()) // 4)
+    return lambda: scratch.amax()
 
 
 def _last_level_cache_bytes(default: int = 32 * 2**20) -> int:
