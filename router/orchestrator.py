@@ -422,7 +422,9 @@ async def _read(call, w: WorkerHandle, leg: str, deadline: float, leg_timeout: f
                 return read.result()
             if left <= leg_timeout:
                 raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
-            if not _queueing(w, waited_from):
+            if w.wedged_at_steps is not None:  # found wedged already (by another request's leg)
+                message, reason = f"{leg} worker {w.id} is wedged: its engine completes no step", NO_PROGRESS
+            elif not _queueing(w, waited_from):
                 message, reason = f"{leg} worker {w.id} sent nothing for {leg_timeout:.1f} s (leg timeout)", LEG_TIMEOUT
             elif (still := time.monotonic() - w.progressed_at) > stall_s:
                 message = (f"{leg} worker {w.id} is wedged: busy, but its engine completed no step for {still:.1f} s "
