@@ -210,7 +210,7 @@ def test_decode_engine_wedged_inside_a_step_is_migrated_past_the_stall_bound(ser
                 took = time.monotonic() - wedged_at
                 await asyncio.sleep(1.0)  # ~5 polls answered without progress
                 held = d0.alive
-            metrics = scrape(ep.http)
+                metrics = (await c.get(f"{base}/metrics", timeout=10)).text  # this loop serves it: no sync call
         finally:
             (wedge_dir / "decode-0").unlink(missing_ok=True)
         end = time.monotonic() + 60
