@@ -3,7 +3,8 @@
 For each workload (ShareGPT; "grounded": fix the grammar of a ShareGPT text, whose reply repeats
 the prompt) and each concurrency (closed loop: a new request as soon as one finishes), the same
 requests run without speculation and with n-gram speculation (load-adaptive k) on two engines
-sharing one model runner, *in lockstep*: one step of one engine, then one of the other. Each
+on two model runners, *in lockstep*: one step of one engine, then one of the other (who goes
+first alternates; both runners are warmed up on the cell's first prompt). Each
 engine's clock advances only by the duration of its own steps, so both see the same machine
 load (which drifts by 3x within minutes on a shared box) and the ratio is fair.
 Per cell: TPOT p50 (ms, per request (last - first token time) / (tokens - 1), on the engine's
@@ -104,12 +105,15 @@ def command(
             n = max(num_prompts, conc)
             reqs = load_requests(DatasetConfig(name, num_prompts=n, max_tokens=max_tokens, input_len=input_len), tok)
             prompts = [_chat(tok, r.prompt) for r in reqs]
-            _Loop(runner, tok, prompts[:1], 1, max_tokens, None, budget).run_alone()  # warm-up: first shapes
+            for r in (runner, runner_spec):  # warm-up: first shapes, on both runners
+                _Loop(r, tok, prompts[:1], 1, max_tokens, None, budget).run_alone()
             off = _Loop(runner, tok, prompts, conc, max_tokens, None, budget)
             on = _Loop(runner_spec, tok, prompts, conc, max_tokens, spec, budget, draft)
-            while not (off.done and on.done):
-                off.step()
-                on.step()
+            turn = 0
+            while not (off.done and on.done):  # alternate who goes first: neither always runs right after the other
+                for arm in ((off, on) if turn % 2 == 0 else (on, off)):
+                    arm.step()
+                turn += 1
             off, on = off.figures(), on.figures()
             cells.append({"dataset": name, "concurrency": conc, "num_prompts": n, "off": off, "on": on,
                           "tpot_speedup": off["tpot_p50_ms"] / on["tpot_p50_ms"],
