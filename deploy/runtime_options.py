@@ -179,6 +179,27 @@ def local_model_dir(model: str) -> Path | None:
         return None
 
 
+def check_model(model: str, *, local_cluster: bool, max_model_len: int | None = None) -> Path | None:
+    """The model's directory on this host (see local_model_dir), checked before any worker starts.
+
+    local_cluster: the workers run on this host (an embedded Ray), so a model this host cannot
+    resolve is the user's error now, not a worker's traceback later. Raises UserError for that and
+    for a --max-model-len beyond the model's context (vLLM refuses it too)."""
+    from engine.model_loader import resolve_model
+
+    model_dir = local_model_dir(model)
+    if model_dir is None and local_cluster:
+        resolve_model(model)  # raises the loader's one-line UserError
+    if model_dir is not None and max_model_len is not None:
+        from engine.model_config import ModelConfig
+
+        limit = ModelConfig.from_pretrained(model_dir).max_model_len
+        if max_model_len > limit:
+            raise UserError(f"--max-model-len {max_model_len} exceeds the model's context of {limit} tokens "
+                            f"(max_position_embeddings); use at most {limit}")
+    return model_dir
+
+
 def default_kv_cache_bytes(num_workers: int, available: int | None) -> int:
     """DEFAULT_KV_CACHE_BYTES per worker, or DEFAULT_KV_MEMORY_FRACTION of the available memory
     shared among the workers if that is less (MiB-aligned)."""

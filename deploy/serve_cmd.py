@@ -45,8 +45,8 @@ def command(
     decode: int = typer.Option(1, "--decode", min=1, help="Decode workers (agg workers in agg mode).",
                                rich_help_panel=CLUSTER),
     mode: str = typer.Option("agg", help="agg | disagg. agg (default): one engine per worker does prefill and "
-                             "decode (measured fastest on a 2-core CPU host: 1.6x disagg 1P+1D, 2-4x two agg "
-                             "workers); disagg: --prefill P workers hand KV to --decode D workers.",
+                             "decode (measured faster than disagg 1P+1D and than two agg workers on a 2-core "
+                             "CPU host: `pdserve bench peers`); disagg: --prefill P workers hand KV to --decode D workers.",
                              rich_help_panel=CLUSTER),
     kv_transport: str = typer.Option("tcp", help="nixl | torch | tcp", rich_help_panel=CLUSTER),
     kv_checksum: bool = typer.Option(False, "--kv-checksum", help="Debug: digest each request's KV on the prefill "
@@ -76,9 +76,11 @@ def command(
                                  "rectangle; for comparison, e.g. `pdserve bench ablate`'s baseline; agg mode, no "
                                  "speculative decoding).", rich_help_panel=SCHED),
     host: str = typer.Option("127.0.0.1", help="Address every server binds to.", rich_help_panel=NET),
-    port: int = typer.Option(50051, help="gRPC port of the router.", rich_help_panel=NET),
-    http_port: int = typer.Option(8000, help="OpenAI-compatible HTTP port (-1: off).", rich_help_panel=NET),
-    metrics_port: int = typer.Option(9400, help="Prometheus port of the router; workers use the next ones (-1: off).",
+    port: int = typer.Option(50051, min=0, max=65535, help="gRPC port of the router.", rich_help_panel=NET),
+    http_port: int = typer.Option(8000, min=-1, max=65535, help="OpenAI-compatible HTTP port (-1: off).",
+                                  rich_help_panel=NET),
+    metrics_port: int = typer.Option(9400, min=-1, max=65535,
+                                     help="Prometheus port of the router; workers use the next ones (-1: off).",
                                      rich_help_panel=NET),
     local_prefill_threshold: int = typer.Option(0, min=0, help="Prompts shorter than this many tokens are "
                                                 "prefilled on the decode worker.", rich_help_panel=ROUTER),
@@ -159,7 +161,7 @@ def command(
     max_prefill: int = typer.Option(4, min=0, help="Most prefill workers the planner starts.", rich_help_panel=SCALE),
     min_decode: int = typer.Option(1, min=1, help="Fewest decode workers the planner keeps.", rich_help_panel=SCALE),
     max_decode: int = typer.Option(4, min=1, help="Most decode workers the planner starts.", rich_help_panel=SCALE),
-    admin_port: int = typer.Option(8100, help="Admin HTTP port (replicas, planner decision, `pdserve scale`; "
+    admin_port: int = typer.Option(8100, min=-1, max=65535, help="Admin HTTP port (replicas, planner decision, `pdserve scale`; "
                                               "-1: off). Binds --host.", rich_help_panel=SCALE),
 ) -> None:
     """pdserve serve [MODEL]: start the router and workers on Ray."""
@@ -202,8 +204,9 @@ def command(
         _check_readable(Path(generation_config) / "generation_config.json", "--generation-config")
     num_prefill = prefill if mode == "disagg" else 0
     # Checked here, before Ray or any worker starts; "auto" is resolved once so every worker agrees.
+    model_dir = runtime_options.check_model(model, local_cluster=not ray_address, max_model_len=max_model_len)
     rt = runtime_options.resolve_runtime(
-        model_dir=runtime_options.local_model_dir(model), dtype=dtype, threads_per_worker=threads_per_worker,
+        model_dir=model_dir, dtype=dtype, threads_per_worker=threads_per_worker,
         kv_cache_memory=kv_cache_memory, num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens,
         num_workers=num_prefill + decode, device="cuda" if num_gpus_per_worker > 0 else "cpu",
         block_size=block_size, max_num_seqs=max_num_seqs, bind_cores=not ray_address)

@@ -66,6 +66,10 @@ def test_unknown_command_exit_2(argv, capsys):
     (["serve", "--registry", "http://h:1/0"], "--registry"),
     (["router", "--registry", "redis://h:1/x"], "--registry"),
     (["serve", "--kv-overlap-score-weight", "-1"], "--kv-overlap-score-weight"),
+    (["serve", "nosuchmodel"], "unknown model 'nosuchmodel'"),  # the workers would run here: say it now
+    (["serve", "--max-model-len", "100000"], "--max-model-len 100000 exceeds the model's context of 8192"),
+    (["serve", "--port", "99999"], "--port"),
+    (["serve", "--http-port", "-2"], "--http-port"),
 ])
 def test_bad_serve_values_exit_2_before_anything_starts(argv, fragment, capsys):
     code, err = _run(argv, capsys)
@@ -94,7 +98,8 @@ def test_serve_help_is_grouped_by_concern():
 
 
 def test_serve_flags_reach_the_worker_and_router_configs(monkeypatch, tmp_path):
-    """What `serve` would start, captured instead of started (the cluster tests start real ones)."""
+    """What `serve` would start, captured instead of started (the cluster tests start real ones).
+    The model must exist: with an embedded Ray its workers would run here, so serve checks it."""
     from deploy import serve_cmd
 
     captured = {}
@@ -105,7 +110,7 @@ def test_serve_flags_reach_the_worker_and_router_configs(monkeypatch, tmp_path):
     monkeypatch.setattr(serve_cmd, "_serve", fake_serve)
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
-    cli.main(["serve", "my-model", "--served-model-name", "smol", "--max-model-len", "1024",
+    cli.main(["serve", "smollm2-135m-instruct", "--served-model-name", "smol", "--max-model-len", "1024",
               "--no-enable-prefix-caching", "--chat-template", str(template), "--hold-lease", "7",
               "--reservation-lease", "9", "--prefill-attempts", "3", "--transfer-timeout", "4",
               "--request-timeout", "5", "--worker-rpc-timeout", "1.5", "--registry", "redis://127.0.0.1:6390/2",
@@ -115,7 +120,7 @@ def test_serve_flags_reach_the_worker_and_router_configs(monkeypatch, tmp_path):
     assert (router.routing.policy, router.routing.temperature) == ("round-robin", 0.5)
     w = spec.worker_configs()[0]
     assert (w.model, w.served_model_name, w.max_model_len, w.enable_prefix_caching, w.transfer_timeout_s) == (
-        "my-model", "smol", 1024, False, 4.0)
+        "smollm2-135m-instruct", "smol", 1024, False, 4.0)
     flow, service = router.flow(), router.service()
     assert (flow.hold_lease_s, flow.reservation_lease_s, flow.prefill_attempts) == (7.0, 9.0, 3)
     assert (service.served_model_name, service.chat_template, service.request_timeout_s) == (
