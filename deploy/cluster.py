@@ -49,6 +49,7 @@ class ClusterSpec:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     idle_max_num_batched_tokens: int | None = None
+    prefill_first_ratio: float | None = None
     host: str = "127.0.0.1"
     metrics_port: int | None = None   # workers use metrics_port + 1, + 2, ...
     num_gpus_per_worker: float = 0.0
@@ -96,7 +97,8 @@ class ClusterSpec:
         base = WorkerConfig(worker_id="", role="agg", model=self.model, kv_transport=self.kv_transport,
                             num_blocks=self.num_blocks, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
-                            idle_max_num_batched_tokens=self.idle_max_num_batched_tokens, num_threads=self.threads_per_worker,
+                            idle_max_num_batched_tokens=self.idle_max_num_batched_tokens,
+                            prefill_first_ratio=self.prefill_first_ratio, num_threads=self.threads_per_worker,
                             device="cuda" if self.num_gpus_per_worker > 0 else "cpu", host=self.host,
                             block_size=self.block_size, max_model_len=self.max_model_len,
                             enable_prefix_caching=self.enable_prefix_caching, batching=self.batching,

@@ -30,6 +30,9 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 128
 # The budget of a step with no decode row in it (engine/config.py): a burst at an idle engine is
 # prefilled in few big steps, which stall nobody's next token. 2048 = vLLM's CPU default budget.
 DEFAULT_IDLE_MAX_NUM_BATCHED_TOKENS = 2048
+# A step with decode rows takes that budget too when the requests waiting for their prompt are at
+# least this many times the decode rows (engine/config.py SchedulerConfig.prefill_first_ratio).
+DEFAULT_PREFILL_FIRST_RATIO = 1.0
 # Default KV cache per worker: this much, or less where memory is short (below).
 DEFAULT_KV_CACHE_BYTES = 2 * 2**30
 DEFAULT_KV_MEMORY_FRACTION = 0.2   # of MemAvailable, shared by the workers of this host
@@ -73,6 +76,20 @@ def idle_batched_tokens_option():
     return typer.Option(DEFAULT_IDLE_MAX_NUM_BATCHED_TOKENS, "--idle-max-num-batched-tokens", rich_help_panel=_PANEL,
                         help="Token budget of a step with no decode row (prompts arriving at an idle engine); "
                              "never below --max-num-batched-tokens.")
+
+
+def prefill_first_ratio_option():
+    return typer.Option(DEFAULT_PREFILL_FIRST_RATIO, "--prefill-first-ratio", rich_help_panel=_PANEL,
+                        help="A step with decode rows also takes --idle-max-num-batched-tokens when the requests "
+                             "waiting for their prompt are at least this many times the decode rows (a burst); "
+                             "0: only steps with no decode row.")
+
+
+def check_prefill_first_ratio(value: float) -> float:
+    """--prefill-first-ratio must be a finite number >= 0; UserError naming it otherwise."""
+    if not 0 <= value < float("inf"):
+        raise UserError(f"--prefill-first-ratio {value}: must be a number >= 0")
+    return value
 
 
 def check_idle_batched_tokens(value: int) -> int:

@@ -17,6 +17,9 @@ class SchedulerConfig:
     idle_max_num_batched_tokens: the budget of a step with no decode row in it (a burst arriving at
         an idle engine): such a step delays nobody's next token, so its prompts are prefilled in
         bigger chunks, fewer steps. None = max_num_batched_tokens; never below it.
+    prefill_first_ratio: a step with decode rows also takes idle_max_num_batched_tokens when the
+        requests waiting for (the rest of) their prompt number at least this many times the decode
+        rows (a burst: mostly waiting). None or 0 = only steps with no decode row.
     max_model_len: longest sequence (prompt + output); None = the model's context length.
     batching: "continuous" (iteration-level, Orca/vLLM) or "static" (HF generate style, for comparison).
     max_waiting: most queued requests before add() refuses with RESOURCE_EXHAUSTED; None = unbounded.
@@ -31,6 +34,7 @@ class SchedulerConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     idle_max_num_batched_tokens: int | None = None
+    prefill_first_ratio: float | None = None
     max_model_len: int | None = None
     batching: Batching = "continuous"
     enable_chunked_prefill: bool = True
@@ -45,6 +49,8 @@ class SchedulerConfig:
                              f"({self.max_num_seqs}) so every running request can decode each step")
         if self.idle_max_num_batched_tokens is not None and self.idle_max_num_batched_tokens < 1:
             raise ValueError(f"idle_max_num_batched_tokens must be >= 1, got {self.idle_max_num_batched_tokens}")
+        if self.prefill_first_ratio is not None and not self.prefill_first_ratio >= 0:
+            raise ValueError(f"prefill_first_ratio must be >= 0, got {self.prefill_first_ratio}")
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

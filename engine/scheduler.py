@@ -9,7 +9,9 @@ Request lifecycle (states in engine/request.py, legal moves in ``request.TRANSIT
    chunk of RUNNING requests still in prefill, then admits WAITING/PREEMPTED requests in FCFS
    order (reusing cached prefix blocks; the last admitted may get a partial chunk = chunked
    prefill). Admission stops at the first request that does not fit (no overtaking). A step
-   with no decode row stalls no one's next token: its budget is ``idle_max_num_batched_tokens``.
+   with no decode row stalls no one's next token: its budget is ``idle_max_num_batched_tokens``;
+   so is a step where the requests waiting for their prompt are ``prefill_first_ratio`` x the decode
+   rows or more (prefill-first while the batch is mostly waiting: a burst).
    Speculative decoding: the engine passes draft tokens for some decode rows; after every decode
    row, prefill chunk and admission is planned, each such row gets its drafts appended (a
    verification row of k + 1 tokens) if the budget they left and *lookahead* KV slots fit
@@ -194,13 +196,30 @@ class Scheduler:
             return self._static.schedule()
         plan = _PlanBuilder(self.config.max_num_batched_tokens)
         self._schedule_running(plan, decoding=True)
-        if not plan.decode_rows and self.config.idle_max_num_batched_tokens:
-            plan.budget = max(plan.budget, self.config.idle_max_num_batched_tokens)
+        if self._prefill_first(len(plan.decode_rows)):
+            used = self.config.max_num_batched_tokens - plan.budget  # the decode rows' tokens
+            plan.budget = max(plan.budget, self.config.idle_max_num_batched_tokens - used)
         self._schedule_running(plan, decoding=False)
         self._schedule_waiting(plan)
         if drafts:  # last: drafts are speculative work, prefill chunks are certain work
             self._attach_drafts(plan, drafts)
         return plan.build()
+
+    def _prefill_first(self, num_decode_rows: int) -> bool:
+        """Whether this step takes the prefill-first budget (``idle_max_num_batched_tokens``):
+        when nothing decodes, or when the requests waiting for (the rest of) their prompt number
+        at least ``prefill_first_ratio`` x the decode rows (a burst: most of the batch is waiting
+        for its first token, and a few big steps delay few rows once instead of all rows for many
+        small steps)."""
+        cfg = self.config
+        if not cfg.idle_max_num_batched_tokens:
+            return False
+        if num_decode_rows == 0:
+            return True
+        if not cfg.prefill_first_ratio:
+            return False
+        prefilling = len(self.waiting) + sum(1 for r in self.running if r.num_uncomputed_tokens > 1)
+        return prefilling >= cfg.prefill_first_ratio * num_decode_rows
 
     def _schedule_running(self, plan: _PlanBuilder, *, decoding: bool) -> None:
         for req in list(self.running):

@@ -37,6 +37,7 @@ BAD = [
     (["--num-blocks", "64", "--kv-cache-memory", "1GiB"], ["--kv-cache-memory and --num-blocks", "one of"]),
     (["--max-num-batched-tokens", "4"], ["--max-num-batched-tokens 4", "--max-num-seqs"]),
     (["--idle-max-num-batched-tokens", "0"], ["--idle-max-num-batched-tokens 0", ">= 1"]),
+    (["--prefill-first-ratio", "-1"], ["--prefill-first-ratio -1", ">= 0"]),
 ]
 if not platform.has_native_fp16():
     BAD.append((["--dtype", "float16"], ["--dtype float16", "no native fp16", "auto, float32 or bfloat16"]))

@@ -82,6 +82,40 @@ def test_a_step_without_decode_rows_takes_the_idle_budget():
         SchedulerConfig(idle_max_num_batched_tokens=0)
 
 
+def test_a_burst_while_few_rows_decode_takes_the_prefill_first_budget():
+    s = make(idle_max_num_batched_tokens=40, prefill_first_ratio=1.0, max_num_seqs=8)
+    s.add(req("a", 4))
+    step(s)  # a alone at an idle engine, now decoding
+    for rid in "bcd":
+        s.add(req(rid, 12, base=200 + ord(rid)))
+    plan, _ = step(s)  # 3 waiting >= 1 x 1 decode row: a burst, one big step (40 - a's token)
+    assert [(c.request_id, c.num_tokens) for c in plan.chunks] == [("a", 1), ("b", 12), ("c", 12), ("d", 12)]
+    s.add(req("e", 30, base=600))
+    s.add(req("f", 30, base=700))
+    plan, _ = step(s)  # 2 waiting < 4 decode rows: the normal budget of 16 protects them
+    assert [(c.request_id, c.num_tokens) for c in plan.chunks] == [("a", 1), ("b", 1), ("c", 1), ("d", 1),
+                                                                    ("e", 12)]
+    plan, _ = step(s)  # e still in prefill + f waiting = 2 < 4: still the normal budget
+    assert [(c.request_id, c.num_tokens) for c in plan.chunks][4:] == [("e", 12)]
+
+
+def test_prefill_first_ratio_scales_the_threshold_and_zero_turns_it_off():
+    def second_step(ratio):
+        s = make(idle_max_num_batched_tokens=40, prefill_first_ratio=ratio, max_num_seqs=8)
+        for rid in "ab":
+            s.add(req(rid, 4, base=100 + 10 * ord(rid)))
+        step(s)  # a and b decoding
+        for rid in "cdef":
+            s.add(req(rid, 10, base=300 + 20 * ord(rid)))
+        plan, _ = step(s)
+        return sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
+    assert second_step(2.0) == 40 - 2   # 4 waiting >= 2 x 2 decode rows: prefill-first
+    assert second_step(3.0) == 16 - 2   # 4 < 3 x 2: the normal budget
+    assert second_step(0.0) == 16 - 2   # off: only a step with no decode row is prefill-first
+    with pytest.raises(ValueError, match="prefill_first_ratio"):
+        SchedulerConfig(prefill_first_ratio=-1.0)
+
+
 def test_max_num_seqs_and_fcfs():
     s = make(max_num_seqs=2, max_num_batched_tokens=64)
     for i in range(3):

@@ -8,6 +8,7 @@ hits, preemption and eviction are checked against what the real cache would hold
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,8 +28,12 @@ OPS = st.lists(st.tuples(st.sampled_from(["add", "add", "step", "step", "step", 
 
 class Sim:
     def __init__(self, batching: str, seed: int) -> None:
-        cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12, batching=batching.removeprefix("paged-"),
-                              static_padding=batching == "static")
+        prefill_first = batching == "prefill-first"  # continuous, big steps while mostly waiting
+        cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12,
+                              batching="continuous" if prefill_first else batching.removeprefix("paged-"),
+                              static_padding=batching == "static",
+                              idle_max_num_batched_tokens=28 if prefill_first else None,
+                              prefill_first_ratio=1.0 if prefill_first else None)
         self.s = Scheduler(cfg, BlockManager(NUM_BLOCKS, BS, watermark=0.1), max_model_len=64, eos_token_ids=(EOS,))
         self.slots: list[int | None] = [None] * (NUM_BLOCKS * BS)
         self.n = 0
@@ -130,7 +135,7 @@ class Sim:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=OPS, batching=st.sampled_from(["continuous", "continuous", "static", "paged-static"]))
+@given(ops=OPS, batching=st.sampled_from(["continuous", "continuous", "prefill-first", "static", "paged-static"]))
 def test_block_accounting_and_kv_contents_hold_under_random_operations(ops, batching):
     sim = Sim(batching, 0)
     for op, x in ops:
@@ -140,10 +145,13 @@ def test_block_accounting_and_kv_contents_hold_under_random_operations(ops, batc
     sim.check()
 
 
+@pytest.mark.parametrize("prefill_first", [False, True])
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.integers(1, 30), min_size=4, max_size=12))
-def test_small_cache_forces_preemption_and_every_request_completes(lengths):
-    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16)
+def test_small_cache_forces_preemption_and_every_request_completes(prefill_first, lengths):
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16,
+                          idle_max_num_batched_tokens=40 if prefill_first else None,
+                          prefill_first_ratio=1.0 if prefill_first else None)
     s = Scheduler(cfg, BlockManager(12, BS, watermark=0.0), max_model_len=64)
     reqs = [Request(f"r{i}", list(range(100 + 50 * i, 100 + 50 * i + n)),
                     SamplingParams(temperature=0, max_tokens=16)) for i, n in enumerate(lengths)]

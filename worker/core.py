@@ -55,6 +55,7 @@ class WorkerConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     idle_max_num_batched_tokens: int | None = None  # the budget of a step with no decode row (engine/config.py)
+    prefill_first_ratio: float | None = None        # ... or with mostly waiting requests (engine/config.py)
     max_waiting: int | None = None
     kv_cache_memory_bytes: int | None = None
     dtype: str = "float32"

@@ -151,6 +151,7 @@ def load_engine(config: WorkerConfig):
                                   # a prefill worker never decodes: every step would be "idle"; keep its chunks
                                   idle_max_num_batched_tokens=None if config.role == "prefill"
                                   else config.idle_max_num_batched_tokens,
+                                  prefill_first_ratio=config.prefill_first_ratio,
                                   max_waiting=config.max_waiting, max_model_len=config.max_model_len,
                                   batching=config.batching),
         cache=CacheConfig(block_size=config.block_size, num_blocks=config.num_blocks,
