@@ -415,5 +415,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         ray.init(address=address, log_to_driver=False)
         return
     tmp = os.environ.get("RAY_TMPDIR") or tempfile.mkdtemp(prefix="pdserve-ray-")
+    # No prestarted workers: Ray starts one idle Python worker per CPU for the driver's first
+    # tasks, but pdserve runs only actors, each in a process of its own (their runtime_env differs),
+    # so the prestarted ones idled all along (2 x ~80 MiB here, and their start-up's CPU).
     ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
-             configure_logging=False)
+             configure_logging=False,
+             _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False})
