@@ -49,6 +49,7 @@ class ClusterSpec:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     idle_max_num_batched_tokens: int | None = None
+    prefill_max_num_batched_tokens: int | None = None   # a prefill worker's budget; None = max_num_batched_tokens
     prefill_first_ratio: float | None = None
     host: str = "127.0.0.1"
     metrics_port: int | None = None   # workers use metrics_port + 1, + 2, ...
@@ -82,6 +83,12 @@ class ClusterSpec:
     kv_faults: str = ""         # --kv-fault-injection (debug, kv_transfer/faults.py)
     engine_wedge_file: str = ""  # tests: each worker's engine step waits while this file exists (worker/faults.py)
 
+    def role_batched_tokens(self, role: str) -> int:
+        """The step budget of a worker of ``role``: a prefill worker's own, else max_num_batched_tokens."""
+        if role == "prefill" and self.prefill_max_num_batched_tokens:
+            return self.prefill_max_num_batched_tokens
+        return self.max_num_batched_tokens
+
     def role_resources(self, role: str) -> dict[str, float]:
         return dict(self.prefill_resources if role == "prefill" else self.decode_resources)
 
@@ -113,7 +120,8 @@ class ClusterSpec:
             for i in range(n):
                 port = None if self.metrics_port is None else self.metrics_port + 1 + len(configs)
                 cores = None if self.cpu_cores is None else self.cpu_cores[len(configs) % len(self.cpu_cores)]
-                configs.append(replace(base, worker_id=f"{role}-{i}", role=role, metrics_port=port, cpu_cores=cores))
+                configs.append(replace(base, worker_id=f"{role}-{i}", role=role, metrics_port=port, cpu_cores=cores,
+                                       max_num_batched_tokens=self.role_batched_tokens(role)))
         return configs
 
 
@@ -303,7 +311,8 @@ class ClusterController:
         return {"started": started, "draining": drained}
 
     def _grow(self, role: str) -> str:
-        template = next((c for c in self._configs if c.role == role), None) or replace(self._configs[0], role=role)
+        template = next((c for c in self._configs if c.role == role), None) or replace(
+            self._configs[0], role=role, max_num_batched_tokens=self.spec.role_batched_tokens(role))
         wid = f"{role}-{self._next_index.get(role, 0)}"
         self._next_index[role] = self._next_index.get(role, 0) + 1
         port = None if self.spec.metrics_port is None else self.spec.metrics_port + 1 + len(self._roles)

@@ -33,6 +33,11 @@ DEFAULT_IDLE_MAX_NUM_BATCHED_TOKENS = 2048
 # A step with decode rows takes that budget too when the requests waiting for their prompt are at
 # least this many times the decode rows (engine/config.py SchedulerConfig.prefill_first_ratio).
 DEFAULT_PREFILL_FIRST_RATIO = 1.0
+# A prefill worker's step budget (disagg): it never decodes, so no ITL bounds it. Measured 2026-12-01
+# (quiet, `bench peers` workload, disagg 1P+1D, one core each, --local-prefill-threshold 128): 2048:
+# 371 output tok/s, 512: 300; every prompt through P at 128 with the old scheduler: 244. Each step also
+# pushes every chunk's KV layer by layer, a cost per chunk and layer on the prefill worker's one core.
+DEFAULT_PREFILL_MAX_NUM_BATCHED_TOKENS = 2048
 # Default KV cache per worker: this much, or less where memory is short (below).
 DEFAULT_KV_CACHE_BYTES = 2 * 2**30
 DEFAULT_KV_MEMORY_FRACTION = 0.2   # of MemAvailable, shared by the workers of this host
@@ -70,6 +75,20 @@ def num_blocks_option():
 def batched_tokens_option(default: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS):
     return typer.Option(default, "--max-num-batched-tokens", rich_help_panel=_PANEL,
                         help="Token budget of one forward: decode tokens + chunked-prefill chunks.")
+
+
+def prefill_batched_tokens_option():
+    return typer.Option(DEFAULT_PREFILL_MAX_NUM_BATCHED_TOKENS, "--prefill-max-num-batched-tokens",
+                        rich_help_panel=_PANEL,
+                        help="Token budget of a prefill worker's step (disagg mode; it never decodes, so no "
+                             "decode row waits behind it): chunks this long hand prompts to the decode worker early.")
+
+
+def check_prefill_batched_tokens(value: int, max_num_seqs: int) -> int:
+    """--prefill-max-num-batched-tokens must be >= --max-num-seqs (as every budget); UserError naming it otherwise."""
+    if value < max(1, max_num_seqs):
+        raise UserError(f"--prefill-max-num-batched-tokens {value}: must be >= --max-num-seqs ({max_num_seqs})")
+    return value
 
 
 def idle_batched_tokens_option():

@@ -138,6 +138,7 @@ def command(
     num_blocks: Optional[int] = runtime_options.num_blocks_option(),
     max_num_batched_tokens: int = runtime_options.batched_tokens_option(),
     idle_max_num_batched_tokens: int = runtime_options.idle_batched_tokens_option(),
+    prefill_max_num_batched_tokens: int = runtime_options.prefill_batched_tokens_option(),
     prefill_first_ratio: float = runtime_options.prefill_first_ratio_option(),
     speculative_method: Optional[str] = typer.Option(None, help="ngram (prompt lookup) | draft; default: off.",
                                                      rich_help_panel=SPEC),
@@ -216,6 +217,8 @@ def command(
                        quantization=quantization, kv_cache_dtype=kv_cache_dtype,
                        kv_cache_memory_bytes=rt.kv_cache_memory_bytes, max_num_batched_tokens=rt.max_num_batched_tokens,
                        idle_max_num_batched_tokens=runtime_options.check_idle_batched_tokens(idle_max_num_batched_tokens),
+                       prefill_max_num_batched_tokens=runtime_options.check_prefill_batched_tokens(
+                           prefill_max_num_batched_tokens, max_num_seqs),
                        prefill_first_ratio=runtime_options.check_prefill_first_ratio(prefill_first_ratio),
                        kv_transport=kv_transport, num_blocks=rt.num_blocks, max_num_seqs=max_num_seqs, host=host,
                        metrics_port=None if metrics_port < 0 else metrics_port,

@@ -130,6 +130,29 @@ def test_serve_flags_reach_the_worker_and_router_configs(monkeypatch, tmp_path):
     assert spec.internal_secret and router.internal_secret == spec.internal_secret
 
 
+def test_serve_disagg_defaults_give_each_role_its_step_budget(monkeypatch):
+    """Defaults (captured, nothing started): the prefill worker steps in 2048-token chunks, the decode
+    worker keeps the chunked-prefill budget and takes the idle budget in a burst."""
+    from deploy import runtime_options, serve_cmd
+
+    captured = {}
+
+    async def fake_serve(spec, router_config, ray_address, n_routers=1, scaling=None):
+        captured.update(spec=spec, router=router_config)
+
+    monkeypatch.setattr(serve_cmd, "_serve", fake_serve)
+    cli.main(["serve", "--mode", "disagg"])
+    by_role = {w.role: w for w in captured["spec"].worker_configs()}
+    p, d = by_role["prefill"], by_role["decode"]
+    assert p.max_num_batched_tokens == runtime_options.DEFAULT_PREFILL_MAX_NUM_BATCHED_TOKENS == 2048
+    assert d.max_num_batched_tokens == runtime_options.DEFAULT_MAX_NUM_BATCHED_TOKENS
+    assert d.idle_max_num_batched_tokens == runtime_options.DEFAULT_IDLE_MAX_NUM_BATCHED_TOKENS
+    assert p.prefill_first_ratio == d.prefill_first_ratio == runtime_options.DEFAULT_PREFILL_FIRST_RATIO
+    cli.main(["serve", "--mode", "disagg", "--prefill-max-num-batched-tokens", "64", "--max-num-batched-tokens", "96"])
+    by_role = {w.role: w for w in captured["spec"].worker_configs()}
+    assert (by_role["prefill"].max_num_batched_tokens, by_role["decode"].max_num_batched_tokens) == (64, 96)
+
+
 def test_a_command_that_exits_with_a_status_keeps_it(capsys, monkeypatch):
     """click *returns* typer.Exit's code under standalone_mode=False; main must still exit with it."""
     import typer

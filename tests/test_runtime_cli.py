@@ -38,6 +38,7 @@ BAD = [
     (["--max-num-batched-tokens", "4"], ["--max-num-batched-tokens 4", "--max-num-seqs"]),
     (["--idle-max-num-batched-tokens", "0"], ["--idle-max-num-batched-tokens 0", ">= 1"]),
     (["--prefill-first-ratio", "-1"], ["--prefill-first-ratio -1", ">= 0"]),
+    (["--prefill-max-num-batched-tokens", "8"], ["--prefill-max-num-batched-tokens 8", "--max-num-seqs"]),
 ]
 if not platform.has_native_fp16():
     BAD.append((["--dtype", "float16"], ["--dtype float16", "no native fp16", "auto, float32 or bfloat16"]))
