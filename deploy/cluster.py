@@ -61,6 +61,7 @@ class ClusterSpec:
     quantization: str = "none"          # every worker alike (engine/quantization)
     kv_cache_dtype: str = "auto"        # every worker alike: the KV format is in the compat key
     kv_cache_memory_bytes: int | None = None
+    prefill_kv_cache_memory_bytes: int | None = None   # a prefill worker's, by memory; None = kv_cache_memory_bytes
     block_size: int = 16
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -88,6 +89,12 @@ class ClusterSpec:
         if role == "prefill" and self.prefill_max_num_batched_tokens:
             return self.prefill_max_num_batched_tokens
         return self.max_num_batched_tokens
+
+    def role_kv_cache_memory_bytes(self, role: str) -> int | None:
+        """The KV cache (bytes) of a worker of ``role`` when sized by memory: a prefill worker's own, if set."""
+        if role == "prefill" and self.prefill_kv_cache_memory_bytes:
+            return self.prefill_kv_cache_memory_bytes
+        return self.kv_cache_memory_bytes
 
     def role_resources(self, role: str) -> dict[str, float]:
         return dict(self.prefill_resources if role == "prefill" else self.decode_resources)
@@ -121,7 +128,8 @@ class ClusterSpec:
                 port = None if self.metrics_port is None else self.metrics_port + 1 + len(configs)
                 cores = None if self.cpu_cores is None else self.cpu_cores[len(configs) % len(self.cpu_cores)]
                 configs.append(replace(base, worker_id=f"{role}-{i}", role=role, metrics_port=port, cpu_cores=cores,
-                                       max_num_batched_tokens=self.role_batched_tokens(role)))
+                                       max_num_batched_tokens=self.role_batched_tokens(role),
+                                       kv_cache_memory_bytes=self.role_kv_cache_memory_bytes(role)))
         return configs
 
 
@@ -312,7 +320,8 @@ class ClusterController:
 
     def _grow(self, role: str) -> str:
         template = next((c for c in self._configs if c.role == role), None) or replace(
-            self._configs[0], role=role, max_num_batched_tokens=self.spec.role_batched_tokens(role))
+            self._configs[0], role=role, max_num_batched_tokens=self.spec.role_batched_tokens(role),
+            kv_cache_memory_bytes=self.spec.role_kv_cache_memory_bytes(role))
         wid = f"{role}-{self._next_index.get(role, 0)}"
         self._next_index[role] = self._next_index.get(role, 0) + 1
         port = None if self.spec.metrics_port is None else self.spec.metrics_port + 1 + len(self._roles)

@@ -216,6 +216,8 @@ def command(
                        dtype=rt.dtype, threads_per_worker=rt.threads, cpu_cores=rt.cores,
                        quantization=quantization, kv_cache_dtype=kv_cache_dtype,
                        kv_cache_memory_bytes=rt.kv_cache_memory_bytes, max_num_batched_tokens=rt.max_num_batched_tokens,
+                       prefill_kv_cache_memory_bytes=runtime_options.default_prefill_kv_cache_bytes(
+                           rt, kv_cache_memory, num_blocks),
                        idle_max_num_batched_tokens=runtime_options.check_idle_batched_tokens(idle_max_num_batched_tokens),
                        prefill_max_num_batched_tokens=runtime_options.check_prefill_batched_tokens(
                            prefill_max_num_batched_tokens, max_num_seqs),

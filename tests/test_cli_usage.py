@@ -148,9 +148,12 @@ def test_serve_disagg_defaults_give_each_role_its_step_budget(monkeypatch):
     assert d.max_num_batched_tokens == runtime_options.DEFAULT_MAX_NUM_BATCHED_TOKENS
     assert d.idle_max_num_batched_tokens == runtime_options.DEFAULT_IDLE_MAX_NUM_BATCHED_TOKENS
     assert p.prefill_first_ratio == d.prefill_first_ratio == runtime_options.DEFAULT_PREFILL_FIRST_RATIO
-    cli.main(["serve", "--mode", "disagg", "--prefill-max-num-batched-tokens", "64", "--max-num-batched-tokens", "96"])
+    assert p.kv_cache_memory_bytes == int(d.kv_cache_memory_bytes * runtime_options.DEFAULT_PREFILL_KV_FRACTION)
+    cli.main(["serve", "--mode", "disagg", "--prefill-max-num-batched-tokens", "64", "--max-num-batched-tokens", "96",
+              "--kv-cache-memory", "256MiB"])
     by_role = {w.role: w for w in captured["spec"].worker_configs()}
     assert (by_role["prefill"].max_num_batched_tokens, by_role["decode"].max_num_batched_tokens) == (64, 96)
+    assert by_role["prefill"].kv_cache_memory_bytes == by_role["decode"].kv_cache_memory_bytes == 256 * 2**20
 
 
 def test_a_command_that_exits_with_a_status_keeps_it(capsys, monkeypatch):
