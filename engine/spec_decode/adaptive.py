@@ -21,12 +21,10 @@ prefill chunks leave, engine/scheduler.py, so they never displace prefill work).
 
 A draft model adds its own forwards: a step whose deepest row drafts m tokens runs m draft
 forwards (batched over the rows) before the target's, each d = ratio x t(rows) seconds
-(DraftCost, the ratio learned online from the measured draft forwards). That cost comes in
-lumps (one forward per depth, whatever the rows), which one increment at a time would rarely
-pay although several together do, so for a draft model ``choose_depth`` picks the step's depth
-m in 0..k_max (every row drafts min(m, its cap)) maximising sum_r E_r(m) / (t(B + drafts) + m d),
-and leaves the previous step's depth only for one better by ``DEPTH_SWITCH_GAIN``. n-gram
-proposals cost nothing (d = 0) and go through ``choose_k``.
+(DraftCost, the ratio learned online from the measured draft forwards). So an increment that
+deepens the step (k > every other row's) also pays d, one that does not rides along for free;
+at c rows a first draft pays ratio x t(c) + b: a draft costing 0.75 of a target step is refused
+unless alpha is near 1 (and at any load beyond one row). n-gram proposals cost nothing (d = 0).
 
 Hysteresis on the margin: an increment a request already had last step is kept while its gain
 is at least (1 - h) of its cost, a new one needs (1 + h), so k does not flip every step on
@@ -39,9 +37,6 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-
-DEPTH_SWITCH_GAIN = 0.02
-"""choose_depth leaves the previous depth only for one with >= 2% more expected tokens per second."""
 
 HYSTERESIS = 0.2
 """Keep a draft while its gain is >= (1 - h) x its cost; start one only at >= (1 + h) x."""
@@ -161,42 +156,26 @@ def draft_cost(step_tokens: float, seconds: float, seconds_after: float) -> floa
 
 
 def choose_k(candidates: list[Candidate], base_tokens: int, base_rows: int, time_model: StepTimeModel,
-             hysteresis: float = HYSTERESIS) -> dict[str, int]:
-    """k per candidate maximising expected tokens per second (see the module docstring), for
-    proposals that cost nothing (n-gram).
+             hysteresis: float = HYSTERESIS, draft_forward_s: float = 0.0) -> dict[str, int]:
+    """k per candidate maximising expected tokens per second (see the module docstring).
 
     base_tokens: tokens of the step without any draft (its decode rows); base_rows: decode rows
-    of the step (each emits one token with k = 0).
+    of the step (each emits one token with k = 0); draft_forward_s: seconds of one draft-model
+    forward over these rows (0 for a proposer without a model).
     """
     ks = {c.request_id: 0 for c in candidates}
     heap = [(-c.alpha, 1, i, c) for i, c in enumerate(candidates) if c.cap > 0 and c.alpha > 0]
     heapq.heapify(heap)
-    tokens, batch = float(max(base_rows, 1)), max(base_tokens, 1)
+    tokens, batch, depth = float(max(base_rows, 1)), max(base_tokens, 1), 0
     seconds = time_model.predict(batch)
     while heap:
         neg_gain, k, i, c = heapq.heappop(heap)
         gain = -neg_gain
         margin = (1 - hysteresis) if k <= c.previous_k else (1 + hysteresis)
-        after = time_model.predict(batch + 1)
+        after = time_model.predict(batch + 1) + max(depth, k) * draft_forward_s
         if gain <= margin * draft_cost(tokens, seconds, after):
             continue  # this row's later drafts gain even less
-        tokens, batch, seconds, ks[c.request_id] = tokens + gain, batch + 1, after, k
+        tokens, batch, depth, seconds, ks[c.request_id] = tokens + gain, batch + 1, max(depth, k), after, k
         if k < c.cap:
             heapq.heappush(heap, (-gain * c.alpha, k + 1, i, c))
     return ks
-
-
-def choose_depth(candidates: list[Candidate], base_tokens: int, base_rows: int, time_model: StepTimeModel,
-                 draft_forward_s: float) -> dict[str, int]:
-    """k per candidate for a draft model: min(m, cap) with the step depth m maximising expected
-    tokens per second (see the module docstring); the previous depth is the deepest previous_k."""
-    def rate(m: int) -> float:
-        ks = [min(m, c.cap) for c in candidates]
-        emitted = max(base_rows, 1) + sum(sum(c.alpha ** j for j in range(1, k + 1)) for c, k in zip(candidates, ks))
-        return emitted / (time_model.predict(max(base_tokens, 1) + sum(ks)) + m * draft_forward_s)
-
-    depths = range(max((c.cap for c in candidates), default=0) + 1)
-    previous = min(max((c.previous_k for c in candidates), default=0), depths[-1])
-    best = max(depths, key=rate)
-    depth = best if rate(best) > (1 + DEPTH_SWITCH_GAIN) * rate(previous) else previous
-    return {c.request_id: min(depth, c.cap) for c in candidates}

@@ -22,8 +22,8 @@ from typing import Sequence
 from engine.plan import SchedulePlan, StepResult
 from engine.request import Request, RequestState
 from proto.sampling import SamplingParams
-from engine.spec_decode.adaptive import (HYSTERESIS, AcceptanceRate, Candidate, DraftCost, StepTimeModel,
-                                         choose_depth, choose_k, draft_cost)
+from engine.spec_decode.adaptive import (HYSTERESIS, AcceptanceRate, Candidate, DraftCost, StepTimeModel, choose_k,
+                                         draft_cost)
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer
 
@@ -99,21 +99,19 @@ class Speculator:
         hysteresis). At high load this is every row, and the step costs what a plain decode
         step costs (no proposing at all). A heuristic prune: choose_k could still have accepted
         such a row's draft after other rows raised S and B."""
-        if not self.config.adaptive or not eligible or self.draft_cost is not None:
-            return eligible  # a draft model's depth is chosen for all rows at once (choose_depth)
+        if not self.config.adaptive or not eligible:
+            return eligible
         rows = max(num_decode_rows, 1)
         t = self.time_model.predict
-        floor = (1 + HYSTERESIS) * draft_cost(rows, t(rows), t(rows + 1))
+        floor = (1 + HYSTERESIS) * draft_cost(rows, t(rows), t(rows + 1) + self._draft_forward_s(rows))
         return [r for r in eligible if self._rate(r.request_id).value > floor or self.previous_k.get(r.request_id)]
 
     def _choose(self, caps: dict[str, int], num_decode_rows: int) -> dict[str, int]:
         if not self.config.adaptive:
             return dict(caps)
         cands = [Candidate(rid, cap, self._rate(rid).value, self.previous_k.get(rid, 0)) for rid, cap in caps.items()]
-        if self.draft_cost is not None:
-            return choose_depth(cands, num_decode_rows, num_decode_rows, self.time_model,
-                                self._draft_forward_s(len(cands)))
-        return choose_k(cands, num_decode_rows, num_decode_rows, self.time_model)
+        return choose_k(cands, num_decode_rows, num_decode_rows, self.time_model,
+                        draft_forward_s=self._draft_forward_s(len(cands)))
 
     def _draft_forward_s(self, rows: int) -> float:
         return 0.0 if self.draft_cost is None else self.draft_cost.predict(max(rows, 1), self.time_model)
