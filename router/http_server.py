@@ -41,11 +41,7 @@ def build_app(service: RouterService, metrics_registry=None, api_key: str | None
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     if api_key is not None:
-        @app.middleware("http")
-        async def _require_api_key(request: Request, call_next):
-            if request.url.path in auth.OPEN_HTTP_PATHS or auth.bearer_ok(request.headers.get("authorization"), api_key):
-                return await call_next(request)
-            return JSONResponse(auth.unauthorized_body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        app.add_middleware(auth.ApiKeyMiddleware, api_key=api_key)
 
     @app.exception_handler(ServiceError)
     async def _service_error(_: Request, e: ServiceError) -> JSONResponse:
@@ -66,6 +62,9 @@ def build_app(service: RouterService, metrics_registry=None, api_key: str | None
         first = e.errors()[0] if e.errors() else {}
         field = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or "body"
         msg = "not supported by pdserve" if first.get("type") == "extra_forbidden" else first.get("msg", "invalid")
+        if field == "body" and first.get("type") in ("model_attributes_type", "dict_type"):
+            # what curl -d sends without -H 'Content-Type: application/json' (a form) lands here too
+            msg = "the request body must be a JSON object, sent with Content-Type: application/json"
         return _error(ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {msg}"), param=field)
 
     @app.get("/health")

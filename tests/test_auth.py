@@ -12,6 +12,7 @@ import grpc
 import httpx
 import openai
 import pytest
+from fastapi import FastAPI, Request  # module level: FastAPI resolves the endpoint's annotations here
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.pdserve.v1 import api_pb2, api_pb2_grpc
@@ -118,3 +119,46 @@ def test_body_over_the_limit_is_413_declared_or_chunked(router):
     small = httpx.post(f"{base}/v1/completions", content=iter([b'{"prompt": "hi",', b' "max_tokens": 1}']),
                        headers=auth)
     assert small.status_code == 503, small.text  # under the limit (chunked, replayed): through to the service
+
+
+def test_a_client_that_leaves_is_seen_through_the_key_check():
+    """Behind the API-key check the endpoint still sees the client disconnect (the non-streaming
+    path polls request.is_disconnected() to abort its workers' legs); Starlette's
+    BaseHTTPMiddleware hid it, and requests whose clients had gone kept decoding."""
+    import asyncio
+
+    from router.auth import ApiKeyMiddleware
+
+    seen = []
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        for _ in range(100):
+            if await request.is_disconnected():
+                seen.append("disconnected")
+                break
+            await asyncio.sleep(0.01)
+        return {}
+
+    app.add_middleware(ApiKeyMiddleware, api_key=KEY)
+
+    async def call() -> list[dict]:
+        messages = [{"type": "http.request", "body": b"{}", "more_body": False}, {"type": "http.disconnect"}]
+        sent: list[dict] = []
+
+        async def receive():
+            return messages.pop(0) if messages else await asyncio.sleep(3600)
+
+        async def send(m):
+            sent.append(m)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "scheme": "http", "server": ("127.0.0.1", 1),
+                 "client": ("127.0.0.1", 2), "http_version": "1.1", "asgi": {"version": "3.0"},
+                 "headers": [(b"authorization", f"Bearer {KEY}".encode()), (b"content-type", b"application/json")]}
+        await asyncio.wait_for(app(scope, receive, send), 10)
+        return sent
+
+    sent = asyncio.run(call())
+    assert sent[0]["status"] == 200 and seen == ["disconnected"], sent
