@@ -19,6 +19,8 @@ from proto.pdserve.v1 import api_pb2
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_BYTES = 256
 MAX_LOGPROBS = 20
+SAMPLING_EPS = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS)
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-2, 1e2
 DEFAULT_MAX_TOKENS = 16
 
 
@@ -77,7 +79,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # A temperature below SAMPLING_EPS is greedy, as in vLLM: dividing fp32 logits by 1e-39
+        # gives +-inf, softmax NaN, and every step sampled token 0.
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the first bad field."""
@@ -102,8 +106,12 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidRequest(name, f"must be in [-2, 2], got {getattr(self, name)!r}")
-        if not self.repetition_penalty > 0:
-            raise InvalidRequest("repetition_penalty", f"must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            # logits are divided or multiplied by it: outside this range fp32 logits overflow to inf
+            raise InvalidRequest("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY:g}, "
+                                 f"{MAX_REPETITION_PENALTY:g}] (1 = off), got {self.repetition_penalty!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
+            raise InvalidRequest("seed", f"must be an integer in [0, 2**64), got {self.seed!r}")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequest("stop_token_ids", "token ids must be >= 0")
         if len(self.stop) > MAX_STOP_STRINGS:

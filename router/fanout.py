@@ -37,12 +37,13 @@ def check_n(n: int, best_of: int | None, stream: bool) -> int:
 
 
 def choices(req: Prepared, count: int) -> list[Prepared]:
-    """The per-completion requests: ids <id>-<i>, seeds seed + i (unseeded stay unseeded)."""
+    """The per-completion requests: ids <id>-<i>, seeds seed + i mod 2**64
+    (the wire's uint64; unseeded stay unseeded)."""
     if count == 1:
         return [req]
     s = req.sampling
-    return [replace(req, request_id=f"{req.request_id}-{i}",
-                    sampling=s if s.seed is None else replace(s, seed=s.seed + i)) for i in range(count)]
+    return [replace(req, request_id=f"{req.request_id}-{i}", flow_id=f"{req.flow_id}-{i}" if req.flow_id else "",
+                    sampling=s if s.seed is None else replace(s, seed=(s.seed + i) % 2**64)) for i in range(count)]
 
 
 async def stream_choices(service: RouterService, reqs: list[Prepared], timeout_s: float | None

@@ -36,9 +36,18 @@ DEFAULT_DEADLINE_S = 600.0
 
 @dataclass(frozen=True)
 class Prepared:
+    """request_id: the client's id (or one made here), echoed in responses. flow_id: the id the
+    workers see, unique per request even when clients reuse an id (two concurrent requests with
+    one id made the worker answer ALREADY_EXISTS, which the router read as a lost worker; its
+    cleanup Abort then ended the first request too). Empty: the same as request_id."""
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams
+    flow_id: str = ""
+
+    @property
+    def worker_request_id(self) -> str:
+        return self.flow_id or self.request_id
 
 
 @dataclass
@@ -150,12 +159,24 @@ class RouterService:
             if chat is not None:
                 if not chat:
                     raise InvalidRequest("messages", "must not be empty")
+                self._check_prompt_chars("messages", sum(len(m.content) for m in chat))
                 return self.tokenizer.encode_chat(chat, add_generation_prompt)
             if not prompt:
                 raise InvalidRequest("prompt", "must not be empty")
+            self._check_prompt_chars("prompt", len(prompt))
             return prompt, self.tokenizer.encode(prompt)
         except (InvalidRequest, ChatTemplateError) as e:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+
+    def _check_prompt_chars(self, field: str, chars: int) -> None:
+        """InvalidRequest when the text is too long for the context whatever it tokenizes to: no
+        token covers more than max_chars_per_token characters. Checked before tokenizing because
+        the tokenizer holds the GIL: a 12 MiB prompt stalled the router's event loop (every stream,
+        /health, the workers' polls) for 10 s before its 400."""
+        limit = self.max_model_len * self.tokenizer.max_chars_per_token
+        if chars > limit:
+            raise InvalidRequest(field, f"{chars} characters cannot fit the context of {self.max_model_len} tokens "
+                                        f"(at most {limit} characters); shorten the prompt")
 
     def check_model(self, model: str) -> None:
         """Raises ServiceError(INVALID_ARGUMENT) unless model is empty or the served model id."""
@@ -177,7 +198,9 @@ class RouterService:
             self._check_kv_capacity(len(ids), sampling.max_tokens)
         except InvalidRequest as e:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        return Prepared(request_id or f"req-{uuid.uuid4().hex[:16]}", ids, sampling)
+        if not request_id:
+            return Prepared(f"req-{uuid.uuid4().hex[:16]}", ids, sampling)
+        return Prepared(request_id, ids, sampling, flow_id=f"{request_id}.{uuid.uuid4().hex[:8]}")
 
     def _check_kv_capacity(self, prompt_len: int, max_tokens: int) -> None:
         """InvalidRequest("max_tokens") when prompt + max_tokens needs more KV blocks than the largest
@@ -239,7 +262,7 @@ class RouterService:
         s = req.sampling
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, s.stop, s.skip_special_tokens)
         n_out, cached, recomputed, last_t, first_t = 0, 0, 0, None, start
-        flow = self.orchestrator.run(req.request_id, req.prompt_ids, to_wire(s), deadline)
+        flow = self.orchestrator.run(req.worker_request_id, req.prompt_ids, to_wire(s), deadline)
         async with contextlib.aclosing(flow):
             async for tokens in flow:
                 now = time.perf_counter()

@@ -8,6 +8,7 @@ proto/model_files.py), never from a path on a worker's disk, so it works on any 
 
 from __future__ import annotations
 
+import functools
 import json
 
 import tokenizers
@@ -28,6 +29,16 @@ class RouterTokenizer:
         config = json.loads(files["tokenizer_config.json"]) if "tokenizer_config.json" in files else {}
         jinja_text = files[CHAT_TEMPLATE_FILE].decode() if CHAT_TEMPLATE_FILE in files else None
         self._template = ChatTemplate.from_config(config, jinja_text, chat_template)
+
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """An upper bound on the characters one token decodes to: its vocabulary string's length
+        (byte-level BPE writes each byte as one character, and a character is at least a byte)."""
+        return max(len(t) for t in self._tok.get_vocab(with_added_tokens=True))
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=True).ids

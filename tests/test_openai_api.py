@@ -215,6 +215,15 @@ def test_non_text_content_part_is_a_400(client):
             {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
 
 
+def test_a_form_body_is_a_400_that_says_send_json(serving):
+    """curl -d without -H 'Content-Type: application/json' posts a form: the 400 says what to send."""
+    r = httpx.post(f"{serving.http_base_url}/chat/completions", content=b'{"messages":[]}',
+                   headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
+    r = httpx.post(f"{serving.http_base_url}/completions", json=[1, 2])
+    assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"]
+
+
 def test_tokenize_detokenize_version_health_metrics(serving):
     base = serving.http_base_url.removesuffix("/v1")
     tok = httpx.post(f"{base}/tokenize", json={"model": SERVED, "prompt": PROMPT}).json()
@@ -247,6 +256,43 @@ def test_grpc_carries_n_logprobs_echo_and_penalties(serving):
         next(iter(_stub(serving).Generate(api_pb2.GenerateRequest(
             model=SERVED, prompt=PROMPT, sampling=api_pb2.SamplingOptions(presence_penalty=5)))))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "presence_penalty" in e.value.details()
+
+
+def test_concurrent_requests_that_share_a_client_id_each_complete(serving):
+    """Three gRPC calls with request_id 'dupe' at once: each gets its own prompt's greedy text
+    (the worker saw one id three times, answered ALREADY_EXISTS, and the router's cleanup ended them all)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = ["The capital of France is", "One, two, three,", "The sky is"]
+
+    def run(prompt: str, request_id: str) -> str:
+        sampling = api_pb2.SamplingOptions(temperature=0, max_tokens=6, ignore_eos=True)
+        return "".join(m.text for m in _stub(serving).Generate(api_pb2.GenerateRequest(
+            model=SERVED, prompt=prompt, request_id=request_id, sampling=sampling)))
+
+    alone = [run(p, "") for p in prompts]
+    with ThreadPoolExecutor(3) as pool:
+        together = list(pool.map(run, prompts, ["dupe"] * 3))
+    assert together == alone
+    ids = {m.request_id for m in _stub(serving).Generate(api_pb2.GenerateRequest(
+        model=SERVED, prompt=prompts[0], request_id="dupe", sampling=api_pb2.SamplingOptions(max_tokens=2)))}
+    assert ids == {"dupe"}  # the client's id is what it gets back
+
+
+def test_detokenize_refuses_ids_outside_the_vocabulary(serving):
+    base = serving.http_base_url.removesuffix("/v1")
+    for tokens in ([-1], [10**12], [49152]):  # OverflowError (500) and "" (200) before
+        r = httpx.post(f"{base}/detokenize", json={"tokens": tokens})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", (tokens, r.text)
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(serving, client):
+    """No token covers more than max_chars_per_token characters, so a longer text cannot fit: 400
+    without tokenizing it (the tokenizer holds the GIL; 12 MiB stalled the router for 10 s)."""
+    limit = serving.router.service.max_model_len * serving.router.service.tokenizer.max_chars_per_token
+    r = httpx.post(f"{serving.http_base_url}/completions", json={"prompt": "a" * (limit + 1), "max_tokens": 1},
+                   timeout=60)
+    assert r.status_code == 400 and "cannot fit the context" in r.json()["error"]["message"]
 
 
 def _metric_names(scrape: str) -> set[str]:

@@ -44,6 +44,10 @@ def test_importing_the_protocol_layer_and_the_router_does_not_import_torch():
     (dict(temperature=float("nan")), "temperature"),
     (dict(temperature=float("inf")), "temperature"),
     (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(repetition_penalty=1e-38), "repetition_penalty"),  # logits / 1e-38 overflow to inf
+    (dict(repetition_penalty=1e3), "repetition_penalty"),
+    (dict(seed=2**64), "seed"),
+    (dict(seed=-1), "seed"),
     (dict(frequency_penalty=float("nan")), "frequency_penalty"),
 ])
 def test_bad_sampling_names_the_field(kwargs, field):
@@ -168,3 +172,10 @@ def test_router_tokenizer_from_the_files_a_worker_sends(model_path, tokenizer):
     assert "tokenizer_dir" not in worker_pb2.WorkerInfo.DESCRIPTOR.fields_by_name  # no path on a worker's disk
     with pytest.raises(ValueError, match="unexpected model file"):
         join_chunks([worker_pb2.FileChunk(name="../../etc/passwd", data=b"")])
+
+
+def test_a_temperature_below_sampling_eps_is_greedy():
+    """temperature 1e-39 divided fp32 logits into +-inf: softmax NaN, token 0 every step (adversary)."""
+    assert SamplingParams(temperature=1e-39).greedy and SamplingParams(temperature=0.0).greedy
+    assert not SamplingParams(temperature=1e-4).greedy
+

@@ -145,3 +145,16 @@ def test_http_usage_carries_recomputed_tokens_summed_over_choices():
     full = shape.full([[Delta([5], "a", "length", usages[0])]], want_logprobs=False)
     assert full["usage"]["recomputed_tokens"] == 43
     assert shape.usage_chunk([usages[1]])["usage"]["recomputed_tokens"] == 0
+
+
+def test_choices_get_unique_worker_ids_and_seeds_that_wrap_at_2_64():
+    """n > 1 with seed 2**64 - 1: choice i's seed + i overflowed the wire's uint64 (a 500)."""
+    from proto.sampling import SamplingParams
+    from router.fanout import choices
+    from router.service import Prepared
+
+    req = Prepared("dupe", [1, 2], SamplingParams(seed=2**64 - 1), flow_id="dupe.ab12")
+    out = choices(req, 3)
+    assert [c.sampling.seed for c in out] == [2**64 - 1, 0, 1]
+    assert [c.request_id for c in out] == ["dupe-0", "dupe-1", "dupe-2"]
+    assert [c.worker_request_id for c in out] == ["dupe.ab12-0", "dupe.ab12-1", "dupe.ab12-2"]
