@@ -207,6 +207,11 @@ def command(
     num_prefill = prefill if mode == "disagg" else 0
     # Checked here, before Ray or any worker starts; "auto" is resolved once so every worker agrees.
     model_dir = runtime_options.check_model(model, local_cluster=not ray_address, max_model_len=max_model_len)
+    if speculative is not None and speculative.model:
+        try:
+            runtime_options.check_model(speculative.model, local_cluster=not ray_address)
+        except UserError as e:
+            raise UserError(f"--speculative-model: {e}") from None
     rt = runtime_options.resolve_runtime(
         model_dir=model_dir, dtype=dtype, threads_per_worker=threads_per_worker,
         kv_cache_memory=kv_cache_memory, num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens,

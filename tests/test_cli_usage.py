@@ -70,6 +70,10 @@ def test_unknown_command_exit_2(argv, capsys):
     (["serve", "--max-model-len", "100000"], "--max-model-len 100000 exceeds the model's context of 8192"),
     (["serve", "--port", "99999"], "--port"),
     (["serve", "--http-port", "-2"], "--http-port"),
+    (["serve", "--speculative-method", "draft", "--speculative-model", "/nonexistent"],
+     "--speculative-model: unknown model '/nonexistent'"),
+    (["serve", "--speculative-method", "ngram", "--speculative-model", "smollm2-135m-instruct"],
+     "--speculative-model is for --speculative-method draft"),
 ])
 def test_bad_serve_values_exit_2_before_anything_starts(argv, fragment, capsys):
     code, err = _run(argv, capsys)

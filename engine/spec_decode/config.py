@@ -71,6 +71,8 @@ def from_flags(method: str | None, num_speculative_tokens: int | None, model: st
         raise UserError(f"--spec-ngram-min ({ngram_min}) must be in [1, --spec-ngram-max ({ngram_max})]")
     if method == "draft" and not model:
         raise UserError("--speculative-method draft needs --speculative-model NAME|PATH")
+    if method == "ngram" and model:
+        raise UserError("--speculative-model is for --speculative-method draft; ngram uses no model (drop it)")
     if quantization not in ("none", "int8", "fp8"):
         raise UserError(f"--speculative-quantization must be none, int8 or fp8, got {quantization!r}")
     return SpeculativeConfig(method, k, ngram_max, ngram_min, model, quantization)
