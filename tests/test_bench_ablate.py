@@ -126,8 +126,13 @@ def test_small_ablation_end_to_end(ray_session, tmp_path, capsys):
                     "p99_itl_ms", "perplexity", "greedy_agreement", "quality_ok", "kv_cache_usage_peak",
                     "num_preemptions"):
             assert key in r, key
-        assert r["output_throughput"] > 0 and r["completed"] == r["num_requests"] and r["kv_cache_usage_peak"] > 0
+        # the KV peak is sampled from the live workers' /metrics every METRICS_POLL_S: a tier of 3
+        # short requests can finish between two samples (0.0, seen on a fresh-clone run), so every
+        # row must have been scraped (not None) and some row must have caught the cache in use
+        assert r["output_throughput"] > 0 and r["completed"] == r["num_requests"]
+        assert r["kv_cache_usage_peak"] is not None and r["kv_cache_usage_peak"] >= 0
         assert r["name"] in table
+    assert max(r["kv_cache_usage_peak"] for r in rows) > 0
     verdict = {r["name"]: r["quality_ok"] for r in rows}
     assert verdict == {"baseline": True, "continuous": True, "continuous+fp8-broken": False, "fp8-broken": False}
     assert doc["analysis"]["quality"]["continuous"]["greedy_agreement"] >= 0.75
