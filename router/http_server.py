@@ -29,7 +29,7 @@ from router import auth, fanout
 from router.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from router.errors import ServiceError
 from router.openai_protocol import (ChatCompletionRequest, CompletionRequest, DecodeTokensRequest, Shape,
-                                    TokenizeRequest, _SamplingFields, invalid)
+                                    TokenizeRequest, _SamplingFields, describe_validation_error, invalid)
 from router.service import Delta, Prepared, RouterService
 
 
@@ -60,9 +60,8 @@ def build_app(service: RouterService, metrics_registry=None, api_key: str | None
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
-        field = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or "body"
-        msg = "not supported by pdserve" if first.get("type") == "extra_forbidden" else first.get("msg", "invalid")
-        if field == "body" and first.get("type") in ("model_attributes_type", "dict_type"):
+        field, msg = describe_validation_error(list(e.errors()))
+        if field == "body" and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
             # what curl -d sends without -H 'Content-Type: application/json' (a form) lands here too
             msg = "the request body must be a JSON object, sent with Content-Type: application/json"
         return _error(ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {msg}"), param=field)

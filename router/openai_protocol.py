@@ -3,7 +3,9 @@
 Every accepted field is declared; any other field is refused with a 400 naming it (pydantic
 ``extra="forbid"``), and a declared field whose value pdserve cannot honour (``suffix``,
 a non-empty ``logit_bias``, ``echo`` with ``logprobs``, a non-text content part) is a 400 naming
-it too: never a 200 that ignored something. vLLM extensions accepted: ``top_k``, ``min_tokens``,
+it too: never a 200 that ignored something. Types are strict (pydantic ``strict=True``): a value of
+the wrong JSON type is a 400 naming the field and what was sent, never coerced ("5" is no integer,
+"yes" no boolean, ``true`` no token id); a JSON integer is a valid number. vLLM extensions accepted: ``top_k``, ``min_tokens``,
 ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``; pdserve's: ``timeout`` (seconds).
 """
 
@@ -33,8 +35,11 @@ Seed = Annotated[int, Field(ge=0, le=2**64 - 1)]
 
 
 class _Strict(BaseModel):
-    # allow_inf_nan=False: NaN and ±Infinity (which Python's json accepts) are a 400, never a sampling value
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # allow_inf_nan=False: NaN and ±Infinity (which Python's json accepts) are a 400, never a sampling value.
+    # strict=True: a JSON value of the wrong type is a 400 naming the field, never coerced (pydantic's lax
+    # mode took "max_tokens": "5", "stream": "yes" and prompt [true, false] as token ids [1, 0]); an
+    # integer where a number is expected stays accepted (strict floats take ints).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -64,6 +69,51 @@ def _surrogate_path(value: Any, path: tuple[str, ...]) -> tuple[str, ...] | None
             if found is not None:
                 return found
     return None
+
+
+# How pydantic names a union's members in an error's location ("prompt", "list[constrained-int]", 0):
+# the readable form of each alternative a field accepts.
+_UNION_MEMBERS = {"str": "a string", "list[str]": "a list of strings", "list[int]": "a list of token ids (integers)",
+                  "list[constrained-int]": "a list of token ids (integers)",
+                  "list[ContentPart]": 'a list of content parts ({"type": "text", "text": "..."})'}
+
+
+def _is_union_member(part: object) -> bool:
+    # our field names are snake_case identifiers; pydantic's member labels are type names
+    return isinstance(part, str) and (part in _UNION_MEMBERS or "[" in part or "-" in part or part[:1].isupper()
+                                      or part in ("int", "float", "bool"))
+
+
+def describe_validation_error(errors: list[dict]) -> tuple[str, str]:
+    """(field, message) for the first of pydantic's errors of a request body, e.g. ("prompt",
+    "must be a string, a list of strings or a list of token ids (integers)"). A value that fits no
+    member of a union names the union's field and its alternatives, not pydantic's member labels."""
+    if not errors:
+        return "body", "invalid"
+    loc = [x for x in errors[0].get("loc", ()) if x != "body"]
+    cut = next((i for i, x in enumerate(loc) if _is_union_member(x)), None)
+    if cut is None:
+        kind = errors[0].get("type", "")
+        msg = "not supported by pdserve" if kind == "extra_forbidden" else errors[0].get("msg", "invalid")
+        if kind.endswith("_type") and "input" in errors[0]:  # strict types: say what was sent instead
+            msg += f", got {_json_type(errors[0]['input'])}"
+        return ".".join(map(str, loc)) or "body", msg
+    members: list[str] = []
+    for e in errors:
+        here = [x for x in e.get("loc", ()) if x != "body"]
+        if here[:cut] == loc[:cut] and len(here) > cut and here[cut] not in members:
+            members.append(here[cut])
+    alternatives = [_UNION_MEMBERS.get(str(m), str(m)) for m in members]
+    listed = alternatives[0] if len(alternatives) == 1 else ", ".join(alternatives[:-1]) + " or " + alternatives[-1]
+    got = f", got {_json_type(errors[0]['input'])}" if "input" in errors[0] else ""
+    return ".".join(map(str, loc[:cut])) or "body", f"must be {listed}{got}"
+
+
+def _json_type(value: object) -> str:
+    """The JSON type of a decoded JSON value, as a client wrote it ("a string", "a boolean")."""
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+             dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
 
 
 class StreamOptions(_Strict):
@@ -135,7 +185,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")  # image_url etc. are refused by type, with their name
+    model_config = ConfigDict(extra="allow", strict=True)  # image_url etc. are refused by type, with their name
     type: str
     text: str | None = None
 

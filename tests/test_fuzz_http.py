@@ -127,6 +127,22 @@ def test_known_bad_bodies_are_400_with_a_json_error(serving, body, field):
     assert field is None or field in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.parametrize("kind,body,param", [
+    # pydantic's lax mode coerced these into a 200
+    ("completions", {"prompt": "Hi", "max_tokens": "5"}, "max_tokens"),
+    ("completions", {"prompt": "Hi", "stream": "yes"}, "stream"),
+    ("completions", {"prompt": [True, False], "max_tokens": 1}, "prompt"),   # was token ids [1, 0]
+    ("completions", {"prompt": "Hi", "stop_token_ids": [True]}, "stop_token_ids.0"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "temperature": "0"}, "temperature"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": 1}, "logprobs"),
+])
+def test_wrong_json_types_and_chat_roles_are_400_naming_the_field(serving, kind, body, param):
+    _, client = serving
+    r = client.post(f"/{kind}", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["message"].startswith(f"{param}: "), r.text
+
+
 def test_request_that_never_fits_the_kv_cache_is_400_naming_the_limit(serving):
     _, client = serving
     r = client.post("/completions", json={"prompt": "Hi", "max_tokens": 450})  # fits 512, not 384

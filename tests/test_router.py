@@ -158,3 +158,78 @@ def test_choices_get_unique_worker_ids_and_seeds_that_wrap_at_2_64():
     assert [c.sampling.seed for c in out] == [2**64 - 1, 0, 1]
     assert [c.request_id for c in out] == ["dupe-0", "dupe-1", "dupe-2"]
     assert [c.worker_request_id for c in out] == ["dupe.ab12-0", "dupe.ab12-1", "dupe.ab12-2"]
+
+
+# -- request body types (strict) ---------------------------------------------------------------
+def _scalar_fields(model) -> list[tuple[str, str]]:
+    """(field, JSON type) of every integer, number and boolean field of a request model, nested
+    models included (path joined with '.'), read from its own JSON schema."""
+    schema = model.model_json_schema()
+    defs = schema.get("$defs", {})
+
+    def kinds(prop: dict) -> set[str]:
+        alts = prop.get("anyOf", [prop])
+        return {a.get("type") for a in alts if a.get("type") in ("integer", "number", "boolean")} | \
+            {f"$ref:{a['$ref'].rsplit('/', 1)[-1]}" for a in alts if "$ref" in a}
+
+    out = []
+
+    def walk(props: dict, prefix: str) -> None:
+        for name, prop in props.items():
+            for k in kinds(prop):
+                if k.startswith("$ref:"):
+                    walk(defs[k[5:]].get("properties", {}), f"{prefix}{name}.")
+                else:
+                    out.append((prefix + name, k))
+
+    walk(schema["properties"], "")
+    return out
+
+
+@pytest.mark.parametrize("model_name", ["CompletionRequest", "ChatCompletionRequest"])
+def test_every_numeric_and_boolean_field_refuses_other_json_types(model_name):
+    """pydantic's lax mode took "max_tokens": "5" and "stream": "yes" (and true as the integer 1):
+    every integer/number/boolean field, nested ones too, is a 400 naming it for a string, and
+    integer/number fields for a boolean. A JSON integer stays a valid number."""
+    from pydantic import ValidationError
+
+    from router import openai_protocol
+    from router.openai_protocol import describe_validation_error
+
+    model = getattr(openai_protocol, model_name)
+    base = {"prompt": "hi"} if model_name == "CompletionRequest" else {"messages": [{"role": "user", "content": "hi"}]}
+    fields = _scalar_fields(model)
+    assert {"max_tokens", "stream", "temperature", "stream_options.include_usage", "n"} <= {f for f, _ in fields}
+    for field, kind in fields:
+        bad_values = ["5", "yes"] + ([True] if kind != "boolean" else [1])
+        for bad in bad_values:
+            *parents, leaf = field.split(".")
+            body = dict(base)
+            target = body
+            for p in parents:
+                target = target.setdefault(p, {})
+            target[leaf] = bad
+            with pytest.raises(ValidationError) as e:
+                model.model_validate(body)
+            named, message = describe_validation_error(e.value.errors())
+            assert named == field and "got" in message, (field, bad, named, message)
+    assert model.model_validate(base | {"temperature": 1, "top_p": 1}).temperature == 1.0
+
+
+def test_prompt_of_booleans_is_not_token_ids():
+    """prompt [true, false] was taken as token ids [1, 0]: the 400 names prompt and what it may be."""
+    from pydantic import ValidationError
+
+    from router.openai_protocol import CompletionRequest, describe_validation_error
+
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest.model_validate({"prompt": [True, False]})
+    field, message = describe_validation_error(e.value.errors())
+    assert field == "prompt" and message == ("must be a string, a list of strings or a list of token ids (integers), "
+                                             "got an array"), message
+    assert CompletionRequest.model_validate({"prompt": [1, 2]}).prompt == [1, 2]
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest.model_validate({"prompt": "hi", "stop_token_ids": [2, True]})
+    assert describe_validation_error(e.value.errors()) == ("stop_token_ids.1",
+                                                           "Input should be a valid integer, got a boolean")
+
