@@ -20,8 +20,15 @@ from typing import Sequence
 import jinja2.ext
 import jinja2.sandbox
 
+from proto.sampling import InvalidRequest
+
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# The roles a conversation may hold (api.proto's ChatMessage.role, OpenAI's chat roles without
+# tool calling): a template renders any string it is given, so "wizard" became a turn the model was
+# never trained on. "tool" needs tool calls (tool_call_id), which pdserve does not accept;
+# "developer" (OpenAI's newer name for "system") is not what these templates check for.
+CHAT_ROLES = ("system", "user", "assistant")
 
 
 class ChatTemplateError(ValueError):
@@ -32,6 +39,13 @@ class ChatTemplateError(ValueError):
 class ChatMessage:
     role: str
     content: str
+
+
+def check_roles(messages: Sequence[ChatMessage]) -> None:
+    """Raises InvalidRequest naming ``messages.<i>.role`` for the first role not in CHAT_ROLES."""
+    for i, m in enumerate(messages):
+        if m.role not in CHAT_ROLES:
+            raise InvalidRequest(f"messages.{i}.role", f"must be one of {', '.join(CHAT_ROLES)}; got {m.role!r}")
 
 
 def _raise_exception(message: str):

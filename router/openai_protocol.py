@@ -191,8 +191,10 @@ class ContentPart(BaseModel):
 
 
 class ChatMessageIn(_Strict):
+    """role: checked against proto/chat.py's CHAT_ROLES where both APIs meet (RouterService.tokenize).
+    content: required, never null (OpenAI allows null only beside tool_calls, which pdserve does not accept)."""
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart]
     name: str | None = None
 
 
@@ -218,8 +220,8 @@ class ChatCompletionRequest(_SamplingFields):
 def _content_text(m: ChatMessageIn, i: int) -> str:
     if m.name is not None:
         raise invalid(f"messages.{i}.name", "not supported by pdserve")
-    if m.content is None or isinstance(m.content, str):
-        return m.content or ""
+    if isinstance(m.content, str):
+        return m.content
     texts = []
     for j, part in enumerate(m.content):
         if part.type != "text" or part.text is None:

@@ -20,7 +20,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from proto.chat import ChatMessage, ChatTemplateError
+from proto.chat import ChatMessage, ChatTemplateError, check_roles
 from proto.detokenizer import IncrementalDetokenizer
 from proto.pdserve.v1 import api_pb2
 from proto.sampling import InvalidRequest, SamplingParams, check_prompt, to_wire
@@ -159,6 +159,7 @@ class RouterService:
             if chat is not None:
                 if not chat:
                     raise InvalidRequest("messages", "must not be empty")
+                check_roles(chat)
                 self._check_prompt_chars("messages", sum(len(m.content) for m in chat))
                 return self.tokenizer.encode_chat(chat, add_generation_prompt)
             if not prompt:

@@ -135,12 +135,30 @@ def test_known_bad_bodies_are_400_with_a_json_error(serving, body, field):
     ("completions", {"prompt": "Hi", "stop_token_ids": [True]}, "stop_token_ids.0"),
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "temperature": "0"}, "temperature"),
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": 1}, "logprobs"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "Hi"}]}, "messages.0.role"),
+    ("chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
 ])
 def test_wrong_json_types_and_chat_roles_are_400_naming_the_field(serving, kind, body, param):
     _, client = serving
     r = client.post(f"/{kind}", json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and r.json()["error"]["message"].startswith(f"{param}: "), r.text
+
+
+def test_chat_role_outside_the_templates_is_refused_by_tokenize_and_grpc(serving):
+    import grpc
+
+    from proto.pdserve.v1 import api_pb2, api_pb2_grpc
+
+    chat = api_pb2.ChatMessages(messages=[api_pb2.ChatMessage(role="user", content="Hi"),
+                                          api_pb2.ChatMessage(role="wizard", content="Hi")])
+    with grpc.insecure_channel(serving[0].grpc_address) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            list(api_pb2_grpc.GenerationStub(ch).Generate(api_pb2.GenerateRequest(chat=chat), timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("messages.1.role:")
+    root = serving[0].http_base_url.removesuffix("/v1")
+    r = httpx.post(f"{root}/tokenize", json={"messages": [{"role": "wizard", "content": "Hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.role", r.text
 
 
 def test_request_that_never_fits_the_kv_cache_is_400_naming_the_limit(serving):

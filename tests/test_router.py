@@ -233,3 +233,21 @@ def test_prompt_of_booleans_is_not_token_ids():
     assert describe_validation_error(e.value.errors()) == ("stop_token_ids.1",
                                                            "Input should be a valid integer, got a boolean")
 
+
+def test_chat_content_is_required_and_roles_are_the_templates():
+    """A user message with content null was an empty turn; role "wizard" a turn the model never saw."""
+    from pydantic import ValidationError
+
+    from proto.chat import ChatMessage, check_roles
+    from router.openai_protocol import ChatCompletionRequest, describe_validation_error
+
+    for content in ({"content": None}, {}):
+        with pytest.raises(ValidationError) as e:
+            ChatCompletionRequest.model_validate({"messages": [{"role": "system", "content": "x"},
+                                                               {"role": "user", **content}]})
+        assert describe_validation_error(e.value.errors())[0] == "messages.1.content"
+    check_roles([ChatMessage(r, "x") for r in ("system", "user", "assistant")])
+    for role in ("wizard", "", "tool", "USER"):
+        with pytest.raises(InvalidRequest, match=r"messages\.1\.role: must be one of system, user, assistant") as e:
+            check_roles([ChatMessage("user", "x"), ChatMessage(role, "x")])
+        assert e.value.field == "messages.1.role"
