@@ -19,6 +19,8 @@ from engine.errors import UserError
 from engine.quantization import check_kv_cache_dtype, check_quantization
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_SLO = "ttft:2000,itl:200"
+DEFAULT_PLANNER_INTERVAL_S = 60.0
 
 # `pdserve serve --help` groups (typer rich_help_panel), by concern
 MODEL, CLUSTER, SCHED, NET, ROUTER, LEASES = ("Model", "Cluster", "Scheduler and KV cache", "Network",
@@ -154,11 +156,13 @@ def command(
     spec_ngram_min: int = typer.Option(2, help="Shortest n-gram matched (method ngram).", rich_help_panel=SPEC),
     autoscale: bool = typer.Option(False, help="Run the SLA planner: scale prefill and decode pools to the --slo.",
                                    rich_help_panel=SCALE),
-    slo: str = typer.Option("ttft:2000,itl:200", help="Planner SLOs in ms: ttft:MS,itl:MS.", rich_help_panel=SCALE),
+    slo: Optional[str] = typer.Option(None, help=f"Planner SLOs in ms: ttft:MS,itl:MS (with --autoscale; default "
+                                      f"{DEFAULT_SLO}).", rich_help_panel=SCALE, show_default=False),
     profile: Optional[Path] = typer.Option(None, help="Worker profile JSON from `pdserve profile` (needed by "
                                                       "--autoscale).", rich_help_panel=SCALE),
-    planner_interval: float = typer.Option(60.0, min=1.0, help="Seconds between SLA planner decisions.",
-                                           rich_help_panel=SCALE),
+    planner_interval: Optional[float] = typer.Option(None, min=1.0, help="Seconds between SLA planner decisions "
+                                                     f"(with --autoscale; default {DEFAULT_PLANNER_INTERVAL_S:g}).",
+                                                     rich_help_panel=SCALE, show_default=False),
     min_prefill: int = typer.Option(1, min=0, help="Fewest prefill workers the planner keeps.", rich_help_panel=SCALE),
     max_prefill: int = typer.Option(4, min=0, help="Most prefill workers the planner starts.", rich_help_panel=SCALE),
     min_decode: int = typer.Option(1, min=1, help="Fewest decode workers the planner keeps.", rich_help_panel=SCALE),
@@ -174,6 +178,8 @@ def command(
     from router.app import RouterConfig
 
     model = _model(model_arg, model)
+    check_planner_flags(autoscale, slo=slo, profile=profile, planner_interval=planner_interval)
+    api_key = check_api_key(api_key)
     check_quantization(quantization)
     check_kv_cache_dtype(kv_cache_dtype)
     registry_url = router_cmd.check_registry(registry)
@@ -247,7 +253,7 @@ def command(
                           prefill_attempts=prefill_attempts, abort_timeout_s=abort_timeout,
                           migration_limit=migration_limit,
                           worker_poll_interval_s=worker_poll_interval, worker_rpc_timeout_s=worker_rpc_timeout,
-                          routing=routing, api_key=api_key or None, max_body_bytes=max_body_bytes,
+                          routing=routing, api_key=api_key, max_body_bytes=max_body_bytes,
                           internal_secret=internal_secret, tls=tls, internal_tls=internal_tls)
     print(f"pdserve: {rt.describe()}", flush=True)
     scaling = scaling_options(autoscale, slo, profile, planner_interval, min_prefill, max_prefill, min_decode,
@@ -260,6 +266,37 @@ def _model(positional: str | None, option: str | None) -> str:
     if positional and option and positional != option:
         raise UserError(f"MODEL {positional!r} and --model {option!r} differ; give one")
     return positional or option or DEFAULT_MODEL
+
+
+def check_planner_flags(autoscale: bool, **given) -> None:
+    """The SLA planner's own flags (slo, profile, planner_interval: None when not given) do nothing
+    without --autoscale, so giving one alone is a usage error naming both flags. Not made to imply
+    --autoscale: the planner also needs --profile, and it would start adding and draining workers
+    for a user who only wrote down a target (vLLM has no such flag; Dynamo's planner is a component
+    one starts on purpose)."""
+    if autoscale:
+        return
+    for name, value in given.items():
+        if value is not None:
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"{flag} is for the SLA planner: add --autoscale (with --profile), or drop {flag}")
+
+
+def check_api_key(flag: str | None) -> str | None:
+    """--api-key (or $PDSERVE_API_KEY, which the option reads; click passes an empty one as unset):
+    the key, None for none; UserError for a key that would protect nothing (router/auth.py)."""
+    import os
+
+    from router.auth import ENV_VAR, check_api_key as check
+
+    if flag is None and os.environ.get(ENV_VAR) == "":
+        flag, source = "", f"${ENV_VAR}"
+    else:
+        source = "--api-key"
+    try:
+        return None if flag is None else check(flag)
+    except ValueError as e:
+        raise UserError(f"{source}: {e}") from None
 
 
 def check_batching(batching: str, mode: str, speculative) -> None:
@@ -319,8 +356,8 @@ def scaling_options(autoscale, slo, profile, interval, min_p, max_p, min_d, max_
         raise UserError("--autoscale reads the router's metrics: --metrics-port must not be -1")
     if admin_port < 0:
         raise UserError("--autoscale serves its decisions on the admin port: --admin-port must not be -1")
-    ttft, itl = parse_slo(slo)
-    cfg = PlannerConfig(ttft_slo_ms=ttft, itl_slo_ms=itl, interval_s=interval, min_prefill=0 if mode == "agg" else min_p,
+    ttft, itl = parse_slo(slo or DEFAULT_SLO)
+    cfg = PlannerConfig(ttft_slo_ms=ttft, itl_slo_ms=itl, interval_s=interval or DEFAULT_PLANNER_INTERVAL_S, min_prefill=0 if mode == "agg" else min_p,
                         max_prefill=0 if mode == "agg" else max_p, min_decode=min_d, max_decode=max_d)
     return ScalingOptions(cfg, load_profile(str(profile)), admin_port, max_workers)
 

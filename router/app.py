@@ -21,6 +21,7 @@ import uvicorn
 
 from proto.pdserve.v1 import api_pb2
 from router.grpc_server import NOT_SERVING, SERVICE_NAME, SERVING, build_server
+from router import auth
 from router.body_limit import DEFAULT_MAX_BODY_BYTES
 from router.http_server import build_app
 from router.kv_sync import KvEventSync
@@ -73,6 +74,10 @@ class RouterConfig:
     tls: TlsFiles | None = None           # --tls-cert/--tls-key: public gRPC and HTTPS (proto/tls.py)
     internal_tls: TlsFiles | None = None  # the workers serve TLS; verified against its CA
     api_key: str | None = field(default=None, repr=False)  # --api-key / $PDSERVE_API_KEY: public HTTP and gRPC need it (router/auth.py)
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None:
+            auth.check_api_key(self.api_key)   # ValueError: "" would mean no authentication
 
     def flow(self) -> FlowConfig:
         return FlowConfig(self.mode, self.local_prefill_threshold, self.reservation_lease_s, self.hold_lease_s,

@@ -27,6 +27,18 @@ def resolve_api_key(flag: str | None) -> str | None:
     return key or None
 
 
+def check_api_key(key: str) -> str:
+    """The key a server requires, unchanged; ValueError when it would not protect anything: empty
+    (a key that expanded to nothing, `--api-key "$UNSET"`, used to leave the API open without a word)
+    or with whitespace at either end (no client can send it: the header's token is stripped)."""
+    if not key.strip():
+        raise ValueError("the key is empty, which would leave the API open; give a key, or leave the option "
+                         f"out (and unset ${ENV_VAR}) to serve without one")
+    if key != key.strip():
+        raise ValueError("the key starts or ends with whitespace, which no Authorization header can carry")
+    return key
+
+
 def bearer_ok(header: str | None, api_key: str) -> bool:
     """True when `header` is 'Bearer <api_key>' (scheme case-insensitive, as RFC 6750 allows)."""
     if not header:

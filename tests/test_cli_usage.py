@@ -74,6 +74,15 @@ def test_unknown_command_exit_2(argv, capsys):
      "--speculative-model: unknown model '/nonexistent'"),
     (["serve", "--speculative-method", "ngram", "--speculative-model", "smollm2-135m-instruct"],
      "--speculative-model is for --speculative-method draft"),
+    # planner flags without the planner were ignored without a word
+    (["serve", "--slo", "ttft:500,itl:50"], "--slo is for the SLA planner: add --autoscale (with --profile), or drop --slo"),
+    (["serve", "--profile", "/tmp/p.json"], "--profile is for the SLA planner: add --autoscale"),
+    (["serve", "--planner-interval", "5"], "--planner-interval is for the SLA planner: add --autoscale"),
+    (["serve", "--autoscale", "--slo", "ttft:500"], "--autoscale needs --profile"),
+    # an empty key served with no authentication at all
+    (["serve", "--api-key", ""], "--api-key: the key is empty, which would leave the API open"),
+    (["serve", "--api-key", "  "], "--api-key: the key is empty"),
+    (["serve", "--api-key", "sk-1 "], "--api-key: the key starts or ends with whitespace"),
 ])
 def test_bad_serve_values_exit_2_before_anything_starts(argv, fragment, capsys):
     code, err = _run(argv, capsys)
@@ -132,6 +141,48 @@ def test_serve_flags_reach_the_worker_and_router_configs(monkeypatch, tmp_path):
     assert router.worker_rpc_timeout_s == 1.5
     # No secret flag or variable: serve makes one, and the routers hold the workers' secret.
     assert spec.internal_secret and router.internal_secret == spec.internal_secret
+
+
+def test_empty_api_key_variable_is_a_usage_error_and_a_key_reaches_the_router(monkeypatch, capsys):
+    """PDSERVE_API_KEY='' (click reads an empty variable as unset) served with no authentication;
+    a real key from the variable reaches the router; RouterConfig itself refuses an empty key."""
+    from deploy import serve_cmd
+    from router.app import RouterConfig
+
+    captured = {}
+
+    async def fake_serve(spec, router_config, ray_address, n_routers=1, scaling=None):
+        captured.update(router=router_config, scaling=scaling)
+
+    monkeypatch.setattr(serve_cmd, "_serve", fake_serve)
+    monkeypatch.setenv("PDSERVE_API_KEY", "")
+    code, err = _run(["serve"], capsys)
+    assert code == 2 and "$PDSERVE_API_KEY: the key is empty" in err and err.count("\n") == 1, err
+    assert not captured
+    monkeypatch.setenv("PDSERVE_API_KEY", "sk-env")
+    cli.main(["serve"])
+    assert captured["router"].api_key == "sk-env" and captured["scaling"].planner is None
+    with pytest.raises(ValueError, match="empty"):
+        RouterConfig(api_key="")
+
+
+def test_autoscale_takes_the_slo_and_interval(monkeypatch, tmp_path):
+    from deploy import serve_cmd
+
+    captured = {}
+
+    async def fake_serve(spec, router_config, ray_address, n_routers=1, scaling=None):
+        captured.update(scaling=scaling)
+
+    monkeypatch.setattr(serve_cmd, "_serve", fake_serve)
+    monkeypatch.setattr("deploy.plan_cmd.load_profile", lambda path: path)
+    cli.main(["serve", "--autoscale", "--profile", str(tmp_path / "p.json"), "--slo", "ttft:500,itl:50",
+              "--planner-interval", "5"])
+    planner = captured["scaling"].planner
+    assert (planner.ttft_slo_ms, planner.itl_slo_ms, planner.interval_s) == (500.0, 50.0, 5.0)
+    cli.main(["serve", "--autoscale", "--profile", str(tmp_path / "p.json")])
+    planner = captured["scaling"].planner
+    assert (planner.ttft_slo_ms, planner.itl_slo_ms, planner.interval_s) == (2000.0, 200.0, 60.0)
 
 
 def test_serve_disagg_defaults_give_each_role_its_step_budget(monkeypatch):
