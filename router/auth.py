@@ -11,10 +11,11 @@ The internal worker API is not covered here.
 from __future__ import annotations
 
 import hmac
-import json
 import os
 
 import grpc
+
+from router.asgi import send_json
 
 ENV_VAR = "PDSERVE_API_KEY"
 OPEN_HTTP_PATHS = frozenset({"/health", "/metrics"})
@@ -68,11 +69,7 @@ class ApiKeyMiddleware:
         header = dict(scope.get("headers") or ()).get(b"authorization")
         if bearer_ok(None if header is None else header.decode("latin-1"), self._key):
             return await self.app(scope, receive, send)
-        body = json.dumps(unauthorized_body()).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": body})
+        await send_json(send, 401, unauthorized_body(), headers=((b"www-authenticate", b"Bearer"),))
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

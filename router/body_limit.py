@@ -7,7 +7,7 @@ without one (chunked) is read up to the limit and then handed on, or refused whe
 
 from __future__ import annotations
 
-import json
+from router.asgi import send_json
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # far above any prompt a context of 10^5 tokens allows
 
@@ -47,10 +47,6 @@ class BodyLimit:
         return await self.app(scope, replay, send)
 
     async def _refuse(self, send) -> None:
-        body = json.dumps({"error": {"message": f"request body is larger than {self.max_bytes} bytes "
-                                                f"(--max-body-bytes)", "type": "invalid_request_error",
-                                     "param": None, "code": 413}}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        body = {"error": {"message": f"request body is larger than {self.max_bytes} bytes (--max-body-bytes)",
+                          "type": "invalid_request_error", "param": None, "code": 413}}
+        await send_json(send, 413, body, headers=((b"connection", b"close"),))

@@ -251,3 +251,26 @@ def test_chat_content_is_required_and_roles_are_the_templates():
         with pytest.raises(InvalidRequest, match=r"messages\.1\.role: must be one of system, user, assistant") as e:
             check_roles([ChatMessage("user", "x"), ChatMessage(role, "x")])
         assert e.value.field == "messages.1.role"
+
+
+def test_send_json_is_one_complete_json_response():
+    """router/asgi.py's answer, shared by the API-key and body-limit middlewares (their real-server
+    401 and 413: tests/test_auth.py)."""
+    import asyncio
+    import json
+
+    from router.asgi import send_json
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    body = {"error": {"message": "é too big", "code": 413}}
+    asyncio.run(send_json(send, 413, body, headers=((b"connection", b"close"),)))
+    start, end = sent
+    assert start["type"] == "http.response.start" and start["status"] == 413
+    headers = dict(start["headers"])
+    assert headers[b"content-type"] == b"application/json" and headers[b"connection"] == b"close"
+    assert int(headers[b"content-length"]) == len(end["body"]) and json.loads(end["body"]) == body
+    assert end["type"] == "http.response.body" and not end.get("more_body", False)
