@@ -44,6 +44,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <type_traits>
@@ -426,6 +427,280 @@ struct Scratch {
   std::vector<int64_t> limit;     // each row's causal limit: keys < limit are visible
 };
 
+#if defined(__AVX512BF16__)
+// ---- The tile path: a prefill tile (bf16 queries, bf16 or FP8 cache) as two small GEMMs ----
+//
+// Lanes are query rows: the tile's rows (up to 48 = 3 vectors of 16) stay in registers as bf16
+// pairs, and each key's pairs are broadcast from the cache in place (no transposition of K):
+//   S^T[t][r] = scale q_r . k_t   (vdpbf16ps, D/2 pair steps, 8 keys x RV row vectors of fp32 sums)
+// The online softmax then runs per lane (a row's max is an elementwise max over keys, no
+// horizontal reductions), P is rounded to bf16 pairs of consecutive keys, V is interleaved in
+// pairs of keys ((v_2u[i], v_2u+1[i]) per column i), and
+//   O^T[i][r] += sum_u p_r,2u v_2u[i] + p_r,2u+1 v_2u+1[i]   (vdpbf16ps, 8 columns x RV at a time)
+// with fp32 accumulation, the running max/sum in fp32 (FlashAttention-2's order: Dao 2023). Keys
+// go in steps of kTileKeys (the scores of a step stay in L1). P in bf16 is what GPU flash kernels
+// and torch's CPU flash kernel do for bf16 inputs: each p loses ~2^-9 relative.
+#ifndef PDSERVE_ATTN_TILE_MIN_ROWS
+#define PDSERVE_ATTN_TILE_MIN_ROWS 16
+#endif
+#ifndef PDSERVE_ATTN_TILE_KEYS
+#define PDSERVE_ATTN_TILE_KEYS 64
+#endif
+constexpr int kTileKeys = PDSERVE_ATTN_TILE_KEYS;   // even
+static_assert(kTileKeys % 2 == 0, "the tile path takes keys in pairs");
+
+inline __m512bh broadcast_pair(const void* p) {
+  int32_t x;
+  std::memcpy(&x, p, sizeof(x));
+  return (__m512bh)_mm512_set1_epi32(x);
+}
+
+// s[t * 16 RV + r] = scale * (q_r . k_t), t < NK: qp [D/2][16 RV] dwords (lane r of vector (j, v):
+// q_{16 v + r}[2j .. 2j + 1]); k_t = k + t * ld, bf16, read in place.
+template <int D, int RV, int NK>
+inline void qk_tile(const uint32_t* qp, const at::BFloat16* k, int64_t ld, float scale, float* s) {
+  __m512 acc[NK][RV];
+  for (int t = 0; t < NK; ++t)
+    for (int v = 0; v < RV; ++v) acc[t][v] = _mm512_setzero_ps();
+  for (int j = 0; j < D / 2; ++j) {
+    __m512bh q[RV];
+    for (int v = 0; v < RV; ++v) q[v] = (__m512bh)_mm512_loadu_si512(qp + (j * RV + v) * 16);
+    for (int t = 0; t < NK; ++t) {
+      const __m512bh kk = broadcast_pair(k + t * ld + 2 * j);
+      for (int v = 0; v < RV; ++v) acc[t][v] = _mm512_dpbf16_ps(acc[t][v], q[v], kk);
+    }
+  }
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int t = 0; t < NK; ++t)
+    for (int v = 0; v < RV; ++v) _mm512_storeu_ps(s + (t * RV + v) * 16, _mm512_mul_ps(acc[t][v], vs));
+}
+
+// qk_tile over n consecutive keys (8 at a time, then the rest).
+template <int D, int RV>
+inline void qk_run(const uint32_t* qp, const at::BFloat16* k, int64_t ld, int n, float scale, float* s) {
+  constexpr int L = 16 * RV;
+  int t = 0;
+  for (; t + 8 <= n; t += 8) qk_tile<D, RV, 8>(qp, k + t * ld, ld, scale, s + t * L);
+  if (t + 4 <= n) {
+    qk_tile<D, RV, 4>(qp, k + t * ld, ld, scale, s + t * L);
+    t += 4;
+  }
+  for (; t < n; ++t) qk_tile<D, RV, 1>(qp, k + t * ld, ld, scale, s + t * L);
+}
+
+// o[i * 16 RV + r] += sum_u p2[u][r] . vp[u][i] (bf16 pair dot products), u < U: p2 [U][16 RV]
+// dwords (p of keys 2u, 2u + 1 for row r), vp [U][D] dwords (v_2u[i], v_2u+1[i]).
+template <int D, int RV>
+inline void pv_tile(const uint32_t* p2, const uint32_t* vp, int U, float* o) {
+  constexpr int L = 16 * RV, NC = RV == 1 ? 16 : 8;   // NC x RV accumulators
+  for (int c0 = 0; c0 < D; c0 += NC) {
+    __m512 acc[NC][RV];
+    for (int c = 0; c < NC; ++c)
+      for (int v = 0; v < RV; ++v) acc[c][v] = _mm512_loadu_ps(o + (c0 + c) * L + v * 16);
+    for (int u = 0; u < U; ++u) {
+      __m512bh p[RV];
+      for (int v = 0; v < RV; ++v) p[v] = (__m512bh)_mm512_loadu_si512(p2 + u * L + v * 16);
+      for (int c = 0; c < NC; ++c) {
+        const __m512bh b = broadcast_pair(vp + u * D + c0 + c);
+        for (int v = 0; v < RV; ++v) acc[c][v] = _mm512_dpbf16_ps(acc[c][v], p[v], b);
+      }
+    }
+    for (int c = 0; c < NC; ++c)
+      for (int v = 0; v < RV; ++v) _mm512_storeu_ps(o + (c0 + c) * L + v * 16, acc[c][v]);
+  }
+}
+
+// dst[i] = (a[i], b[i]) as one dword of two bf16, i < D (b = nullptr: zeros).
+template <int D>
+inline void pack_value_pair(uint32_t* dst, const at::BFloat16* a, const at::BFloat16* b) {
+  alignas(64) static const uint16_t lo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                              8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t hi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                              24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i ilo = _mm512_load_si512(lo), ihi = _mm512_load_si512(hi);
+  for (int i = 0; i < D; i += 32) {
+    const __m512i va = _mm512_loadu_si512(a + i);
+    const __m512i vb = b == nullptr ? _mm512_setzero_si512() : _mm512_loadu_si512(b + i);
+    _mm512_storeu_si512(dst + i, _mm512_permutex2var_epi16(va, ilo, vb));
+    _mm512_storeu_si512(dst + i + 16, _mm512_permutex2var_epi16(va, ihi, vb));
+  }
+}
+
+// 16 fp32 -> 16 bf16 (round to nearest even) in the low halves of 16 dwords.
+inline __m512i bf16_low(__m512 x) { return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)); }
+
+// One step's online softmax for RV row vectors over nk keys at positions c0 ..: s [nk][16 RV]
+// scores in, p (fp32) out, rows' running max m and sum l [16 RV] and o [D][16 RV] rescaled when a
+// max moves; keys at or past a row's limit (causal) get p = 0 (causal = false: none is). Then P
+// as bf16 pairs of keys into p2 [(nk + 1) / 2][16 RV].
+template <int RV>
+inline void softmax_tile(float* s, int nk, int64_t c0, const __m512i* limit, bool causal, float* m, float* l,
+                         float* o, int D, uint32_t* p2) {
+  constexpr int L = 16 * RV;
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  for (int v = 0; v < RV; ++v) {
+    const __m512 m_old = _mm512_loadu_ps(m + v * 16);
+    __m512 mx = m_old;
+    for (int t = 0; t < nk; ++t) {
+      const __m512 x = _mm512_loadu_ps(s + t * L + v * 16);
+      const __mmask16 vis = causal ? _mm512_cmpgt_epi32_mask(limit[v], _mm512_set1_epi32(static_cast<int>(c0 + t))) : 0xFFFF;
+      mx = _mm512_mask_max_ps(mx, vis, mx, x);
+    }
+    const __mmask16 valid = _mm512_cmp_ps_mask(mx, neg_inf, _CMP_NEQ_OQ);   // the row has seen a key
+    const __m512 msub = _mm512_maskz_mov_ps(valid, mx);
+    __m512 sum = _mm512_loadu_ps(l + v * 16);
+    if (_mm512_cmp_ps_mask(mx, m_old, _CMP_NEQ_OQ) != 0) {   // some row's max moved: rescale
+      const __m512 corr = _mm512_maskz_mov_ps(valid, exp_neg(_mm512_sub_ps(m_old, msub)));
+      sum = _mm512_mul_ps(sum, corr);
+      for (int i = 0; i < D; ++i) _mm512_storeu_ps(o + i * L + v * 16, _mm512_mul_ps(_mm512_loadu_ps(o + i * L + v * 16), corr));
+    }
+    for (int t = 0; t < nk; ++t) {
+      const __mmask16 vis = causal ? _mm512_cmpgt_epi32_mask(limit[v], _mm512_set1_epi32(static_cast<int>(c0 + t))) : 0xFFFF;
+      const __m512 p = _mm512_maskz_mov_ps(vis & valid, exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + t * L + v * 16), msub)));
+      sum = _mm512_add_ps(sum, p);
+      _mm512_storeu_ps(s + t * L + v * 16, p);
+    }
+    _mm512_storeu_ps(m + v * 16, mx);
+    _mm512_storeu_ps(l + v * 16, sum);
+    for (int u = 0; 2 * u < nk; ++u) {
+      const __m512i a = bf16_low(_mm512_loadu_ps(s + 2 * u * L + v * 16));
+      const __m512i b = 2 * u + 1 < nk ? bf16_low(_mm512_loadu_ps(s + (2 * u + 1) * L + v * 16)) : _mm512_setzero_si512();
+      _mm512_storeu_si512(p2 + u * L + v * 16, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+    }
+  }
+}
+
+struct TileScratch {
+  std::vector<uint32_t> qp, p2, vp;
+  std::vector<float> s, o, m, l;
+  std::vector<at::BFloat16> kb, vrow;   // an FP8 cache's K run / two V rows as bf16
+};
+
+// One item through the tile path: rows <= 16 RV per KV head (see above). Same results contract as
+// attend_item (output rows, or a split-K partial: unnormalized acc x V scale, max, sum).
+template <int D, int RV, typename Q, typename KV>
+void attend_tile(const Item& it, const Call<Q, KV>& c, TileScratch& w) {
+  constexpr int L = 16 * RV;
+  const int group = c.group, bs = c.block_size;
+  const int64_t first = c.query_start_loc[it.b];
+  const int64_t qlen = c.query_start_loc[it.b + 1] - first;
+  const int64_t start = c.seq_lens[it.b] - qlen;
+  const int rows = (it.q1 - it.q0) * group;
+  const int64_t k_end = it.k1 >= 0 ? it.k1 : start + it.q1;
+  const int64_t min_limit = start + it.q0 + 1;   // every row sees the keys below this
+  const int64_t* table = c.block_tables + it.b * c.bt_stride;
+  w.qp.resize(static_cast<size_t>(D / 2) * L);
+  w.s.resize(static_cast<size_t>(kTileKeys) * L);
+  w.p2.resize(static_cast<size_t>(kTileKeys / 2) * L);
+  w.vp.resize(static_cast<size_t>(kTileKeys / 2) * D);
+  w.o.resize(static_cast<size_t>(D) * L);
+  w.m.resize(L);
+  w.l.resize(L);
+  if constexpr (!std::is_same_v<KV, at::BFloat16>) {
+    w.kb.resize(static_cast<size_t>(bs) * D);
+    w.vrow.resize(2 * D);
+  }
+  alignas(64) int32_t lim[L];
+  for (int r = 0; r < L; ++r) lim[r] = r < rows ? static_cast<int32_t>(start + it.q0 + r / group + 1) : 0;
+  __m512i limit[RV];
+  for (int v = 0; v < RV; ++v) limit[v] = _mm512_load_si512(lim + 16 * v);
+  // a V row of key pos as bf16 (an FP8 cache's converted into buf)
+  auto value_row = [&](int64_t pos, int h, at::BFloat16* buf) -> const at::BFloat16* {
+    const KV* src = c.value_cache + table[pos / bs] * c.cs[0] + (pos % bs) * c.cs[1] + static_cast<int64_t>(h) * c.cs[2];
+    if constexpr (std::is_same_v<KV, at::BFloat16>) {
+      (void)buf;
+      return src;
+    } else {
+      load_block_bf16(buf, src, 0, 1, D);
+      return buf;
+    }
+  };
+  for (int hh = 0; hh < it.nh; ++hh) {
+    const int h = it.h0 + hh;
+    for (int j = 0; j < D / 2; ++j)
+      for (int r = 0; r < L; ++r) {
+        uint32_t x = 0;
+        if (r < rows) {
+          const Q* q = c.query + (first + it.q0 + r / group) * c.q_tok + (static_cast<int64_t>(h) * group + r % group) * c.q_head;
+          std::memcpy(&x, q + 2 * j, sizeof(x));
+        }
+        w.qp[static_cast<size_t>(j) * L + r] = x;
+      }
+    std::fill(w.o.begin(), w.o.end(), 0.f);
+    std::fill(w.m.begin(), w.m.end(), kNegInf);
+    std::fill(w.l.begin(), w.l.end(), 0.f);
+    const float ks = c.scale * head_scale(c.k_scale, c.scale_heads, h);
+    for (int64_t c0 = it.k0; c0 < k_end; c0 += kTileKeys) {
+      const int nk = static_cast<int>(std::min<int64_t>(kTileKeys, k_end - c0));
+      for (int64_t t = c0; t < c0 + nk;) {   // scores, one block's run of keys at a time
+        const int in = static_cast<int>(t % bs);
+        const int run = static_cast<int>(std::min<int64_t>(bs - in, c0 + nk - t));
+        const KV* src = c.key_cache + table[t / bs] * c.cs[0] + in * c.cs[1] + static_cast<int64_t>(h) * c.cs[2];
+        if constexpr (std::is_same_v<KV, at::BFloat16>) {
+          qk_run<D, RV>(w.qp.data(), src, c.cs[1], run, ks, w.s.data() + (t - c0) * L);
+        } else {
+          load_block_bf16(w.kb.data(), src, c.cs[1], run, D);
+          qk_run<D, RV>(w.qp.data(), w.kb.data(), D, run, ks, w.s.data() + (t - c0) * L);
+        }
+        t += run;
+      }
+      softmax_tile<RV>(w.s.data(), nk, c0, limit, c0 + nk > min_limit, w.m.data(), w.l.data(), w.o.data(), D,
+                       w.p2.data());
+      const int U = (nk + 1) / 2;
+      for (int u = 0; u < U; ++u) {
+        const at::BFloat16* a = value_row(c0 + 2 * u, h, w.vrow.data());
+        const at::BFloat16* b = 2 * u + 1 < nk ? value_row(c0 + 2 * u + 1, h, w.vrow.data() + D) : nullptr;
+        pack_value_pair<D>(w.vp.data() + static_cast<size_t>(u) * D, a, b);
+      }
+      pv_tile<D, RV>(w.p2.data(), w.vp.data(), U, w.o.data());
+    }
+    const float vs = c.v_scale == nullptr ? 1.f : c.v_scale[c.scale_heads == 1 ? 0 : h];
+    for (int r = 0; r < rows; ++r) {
+      if (it.slot >= 0) {
+        float* dst = c.partial + (it.slot * c.partial_rows + static_cast<int64_t>(hh) * rows + r) * (D + 2);
+        for (int i = 0; i < D; ++i) dst[i] = w.o[static_cast<size_t>(i) * L + r] * vs;
+        dst[D] = w.m[r];
+        dst[D + 1] = w.l[r];
+        continue;
+      }
+      Q* dst = c.out + (first + it.q0 + r / group) * c.os[0] + (static_cast<int64_t>(h) * group + r % group) * c.os[1];
+      const float inv = vs / w.l[r];
+      for (int i = 0; i < D; ++i) dst[i] = static_cast<Q>(w.o[static_cast<size_t>(i) * L + r] * inv);
+    }
+  }
+}
+
+// Whether an item goes through the tile path, and then it does: bf16 queries over a bf16 or FP8
+// cache, D in {32, 64, 128}, 16 .. 48 rows per KV head.
+template <typename Q, typename KV>
+bool try_tile(const Item& it, const Call<Q, KV>& c, TileScratch& w) {
+  if constexpr (std::is_same_v<Q, at::BFloat16> &&
+                (std::is_same_v<KV, at::BFloat16> || std::is_same_v<KV, at::Float8_e4m3fn>)) {
+    const int rows = (it.q1 - it.q0) * c.group;
+    if (rows < PDSERVE_ATTN_TILE_MIN_ROWS || rows > 48) return false;
+    auto go = [&](auto d_tag) {
+      constexpr int D = decltype(d_tag)::value;
+      if (rows <= 16) attend_tile<D, 1>(it, c, w);
+      else if (rows <= 32) attend_tile<D, 2>(it, c, w);
+      else attend_tile<D, 3>(it, c, w);
+      return true;
+    };
+    switch (c.d) {
+      case 64: return go(std::integral_constant<int, 64>{});
+      case 128: return go(std::integral_constant<int, 128>{});
+      case 32: return go(std::integral_constant<int, 32>{});
+      default: return false;
+    }
+  }
+  (void)it, (void)c, (void)w;
+  return false;
+}
+#else
+struct TileScratch {};
+template <typename Q, typename KV>
+bool try_tile(const Item&, const Call<Q, KV>&, TileScratch&) { return false; }
+#endif
+
 template <typename Q, typename KV>
 void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w) {
   const int d = c.d, group = c.group, bs = c.block_size;
@@ -677,7 +952,9 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, 
   const int64_t workers = std::min<int64_t>(threads, n_items);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch w;
-    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) attend_item<Q, KV>(items[i], c, w);
+    TileScratch tw;
+    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1))
+      if (!try_tile<Q, KV>(items[i], c, tw)) attend_item<Q, KV>(items[i], c, w);
   });
   for (const Split& s : splits) merge_partials<Q, KV>(s.tile, s.first_slot, s.n, c);
 }
