@@ -318,6 +318,7 @@ def _decode_step(runner, tokens: list[int], context: int, batch: int, steps: int
     """A decode step over ``batch`` sequences of ``context`` tokens (filled by one prefill now);
     each call appends one token to every sequence (the blocks cover warm-up + steps)."""
     from engine.batch import SeqChunk
+    from kernels.layer_ops import greedy_argmax
 
     per_seq = -(-(context + 2 * steps + 4) // runner.block_size)
     tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
@@ -327,7 +328,7 @@ def _decode_step(runner, tokens: list[int], context: int, batch: int, steps: int
 
     def step() -> None:
         logits = runner.forward([SeqChunk([n], state["pos"], t) for n, t in zip(state["next"], tables)])
-        state["next"] = logits.argmax(-1).tolist()
+        state["next"] = greedy_argmax(logits).tolist()   # as the engine's greedy sampler picks
         state["pos"] += 1
 
     return step

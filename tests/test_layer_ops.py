@@ -89,3 +89,33 @@ def test_bad_input_is_refused(cpp):
         cpp.rope_split(torch.randn(3, 10), torch.zeros(3, 2), torch.zeros(3, 2), 1, 1, 4)
     with pytest.raises(ValueError, match="unknown layer ops"):
         get_layer_ops("fast")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [49152, 1000, 7])   # the bundled vocabulary, a vector tail, no vector pass
+def test_greedy_argmax_is_torch_argmax(cpp, dtype, vocab):
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(9, vocab, generator=gen) * 4).to(dtype)
+    logits[1] = 0.5                                          # a row of ties: the first index
+    logits[2] = float("-inf")                                # nothing finite: index 0
+    logits[3, [vocab // 3, vocab - 1]] = 1e4                 # a tie for the maximum, far apart
+    logits[4, vocab // 2] = float("nan")                     # a NaN wins, as in torch
+    logits[5, [vocab - 1, 0]] = float("nan")                 # the first NaN
+    logits[6, vocab - 1] = 1e4                               # the maximum in the last (tail) position
+    logits[7, :] = -1e4
+    logits[7, 0] = float("inf")
+    want = logits.argmax(dim=-1)
+    got = torch.empty(9, dtype=torch.int64)
+    torch.ops.pdserve_ops.argmax_rows(got, logits)
+    assert got.tolist() == want.tolist()
+    from kernels.layer_ops import greedy_argmax
+
+    assert greedy_argmax(logits).tolist() == want.tolist()
+    assert greedy_argmax(logits[:, :-1]).tolist() == logits[:, :-1].argmax(-1).tolist()   # strided rows
+
+
+def test_argmax_rows_refuses_bad_layouts(cpp):
+    with pytest.raises(RuntimeError, match="int64"):
+        torch.ops.pdserve_ops.argmax_rows(torch.empty(2, dtype=torch.int32), torch.zeros(2, 8))
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        torch.ops.pdserve_ops.argmax_rows(torch.empty(8, dtype=torch.int64), torch.zeros(2, 8).t())

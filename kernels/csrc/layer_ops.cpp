@@ -15,6 +15,11 @@
 //   bf16 model measurably further from fp32: teacher-forced top-1 log-prob error 0.034 vs 0.028
 //   nats on average over 4 ShareGPT prompts, and one clear argmax flipped in test_bf16).
 //
+// - argmax_rows: greedy sampling's argmax of each logits row [N, V] (fp32 or the model dtype) ->
+//   [N] int64, torch.argmax's answer (the first maximum; the first NaN when a row has one), in one
+//   pass of 16-lane running maxima and their indices: torch's own CPU argmax read 49,152 fp32
+//   logits at ~7 GB/s (27 us a row on one thread) and bf16 ones 5x slower.
+//
 // Rows are split over torch's intra-op threads only when there is enough work (>= 32K elements
 // per thread): at decode sizes a thread hand-off costs more than the op. AVX-512 where the
 // compiler targets it (-march=native), rows of a multiple of 16 elements; a scalar path otherwise.
@@ -27,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #if defined(__AVX512F__)
@@ -272,6 +278,68 @@ void silu_mul(at::Tensor& out, const at::Tensor& gu) {
   dispatch(gu.scalar_type(), [&](auto tag) { silu_mul_impl<decltype(tag)>(out, gu); });
 }
 
+
+// One row's argmax: the first index of the largest value; the first NaN if there is one.
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  int64_t i = 0, best_i = 0;
+  float best = -std::numeric_limits<float>::infinity();
+  bool has_nan = false;
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    __m512 vmax = ld(x);
+    __m512i vidx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i cur = vidx;
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 nan = _mm512_cmp_ps_mask(vmax, vmax, _CMP_UNORD_Q);
+    for (i = 16; i + 16 <= n; i += 16) {
+      cur = _mm512_add_epi32(cur, step);
+      const __m512 v = ld(x + i);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);   // strictly greater: lanes keep their first maximum
+      vmax = _mm512_mask_mov_ps(vmax, gt, v);
+      vidx = _mm512_mask_mov_epi32(vidx, gt, cur);
+    }
+    has_nan = nan != 0;
+    best = _mm512_reduce_max_ps(vmax);
+    const __mmask16 at_best = _mm512_cmp_ps_mask(vmax, _mm512_set1_ps(best), _CMP_EQ_OQ);
+    best_i = _mm512_mask_reduce_min_epi32(at_best, vidx);   // the first of the lanes holding the maximum
+  }
+#endif
+  if (i == 0) {   // no vector pass: start from the first element
+    best = f32(x[0]);
+    has_nan = best != best;
+    i = 1;
+  }
+  for (; i < n; ++i) {
+    const float v = f32(x[i]);
+    if (v != v) has_nan = true;
+    if (v > best) { best = v; best_i = i; }
+  }
+  if (has_nan)
+    for (i = 0; i < n; ++i)
+      if (f32(x[i]) != f32(x[i])) return i;
+  return best_i;
+}
+
+// out [N] int64 <- argmax of each row of logits [N, V] (rows contiguous), one row per work item.
+void argmax_rows(at::Tensor& out, const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0,
+              "logits must be [N, V] with V > 0 and contiguous rows");
+  TORCH_CHECK(logits.size(1) < (int64_t{1} << 31), "V must be below 2^31");
+  TORCH_CHECK(out.dim() == 1 && out.size(0) == logits.size(0) && out.is_contiguous() &&
+                  out.scalar_type() == at::kLong, "out must be a contiguous int64 [N]");
+  const int64_t rows = logits.size(0), v = logits.size(1), ls = logits.stride(0);
+  int64_t* op = out.data_ptr<int64_t>();
+  dispatch(logits.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* lp = logits.data_ptr<T>();
+    at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / v), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) op[r] = argmax_row(lp + r * ls, v);
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_ops, m) {
@@ -279,6 +347,7 @@ TORCH_LIBRARY(pdserve_ops, m) {
   m.def("add_rms_norm(Tensor(a!) out, Tensor x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rope_split(Tensor(a!) q, Tensor(b!) k, Tensor(c!) v, Tensor qkv, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor(a!) out, Tensor gu) -> ()");
+  m.def("argmax_rows(Tensor(a!) out, Tensor logits) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_ops, CPU, m) {
@@ -286,4 +355,5 @@ TORCH_LIBRARY_IMPL(pdserve_ops, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_split", &rope_split);
   m.impl("silu_mul", &silu_mul);
+  m.impl("argmax_rows", &argmax_rows);
 }
