@@ -38,7 +38,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             count = fanout.check_n(n, request.best_of or None, stream=False)
             if count > n and sampling.logprobs is None:  # ranking needs each token's logprob
                 sampling = replace(sampling, logprobs=0)
-            prepared = self._svc.prepare(request.model, sampling, request_id=request.request_id, **_input(request))
+            prepared = await self._svc.prepare(request.model, sampling, request_id=request.request_id, **_input(request))
             echo = self._echo(request, prepared) if request.echo else ""
             stream = fanout.stream_choices(self._svc, fanout.choices(prepared, count), context.time_remaining())
             if count > n:
@@ -74,7 +74,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
         try:
             which = request.WhichOneof("input")
             chat = _chat(request.chat) if which == "chat" else None
-            text, ids = self._svc.tokenize(request.model, request.prompt if which == "prompt" else None, chat,
+            text, ids = await self._svc.tokenize(request.model, request.prompt if which == "prompt" else None, chat,
                                            _add_generation_prompt(request.chat) if chat else True)
             return api_pb2.TokenizeResponse(token_ids=ids, rendered=text)
         except ServiceError as e:

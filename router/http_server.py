@@ -94,7 +94,7 @@ def build_app(service: RouterService, metrics_registry=None, api_key: str | None
         chat = None
         if body.messages is not None:
             chat = ChatCompletionRequest(messages=body.messages).chat()
-        _, ids = service.tokenize(body.model, body.prompt, chat, body.add_generation_prompt)
+        _, ids = await service.tokenize(body.model, body.prompt, chat, body.add_generation_prompt)
         return {"count": len(ids), "max_model_len": service.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -108,7 +108,7 @@ def build_app(service: RouterService, metrics_registry=None, api_key: str | None
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         inputs = _prompt_input(body.prompt)
-        prepared = _prepare(service, body, body.max_tokens, body.engine_logprobs(), **inputs)
+        prepared = await _prepare(service, body, body.max_tokens, body.engine_logprobs(), **inputs)
         echo = ""
         if body.echo:
             echo = inputs.get("prompt") or service.tokenizer.decode(prepared.prompt_ids, skip_special_tokens=False)
@@ -118,7 +118,7 @@ def build_app(service: RouterService, metrics_registry=None, api_key: str | None
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        prepared = _prepare(service, body, max_tokens, body.engine_logprobs(), chat=body.chat(),
+        prepared = await _prepare(service, body, max_tokens, body.engine_logprobs(), chat=body.chat(),
                             add_generation_prompt=body.add_generation_prompt)
         return await _respond(service, body, prepared, request, chat=True, want_logprobs=body.logprobs)
 
@@ -142,9 +142,9 @@ def _prompt_input(prompt: str | list) -> dict:
     return {"prompt": prompt[0]}
 
 
-def _prepare(service: RouterService, body: _SamplingFields, max_tokens: int | None, logprobs: int | None,
-             **inputs) -> Prepared:
-    return service.prepare(body.model, body.sampling(max_tokens, service.generation_defaults, logprobs), **inputs)
+async def _prepare(service: RouterService, body: _SamplingFields, max_tokens: int | None, logprobs: int | None,
+                   **inputs) -> Prepared:
+    return await service.prepare(body.model, body.sampling(max_tokens, service.generation_defaults, logprobs), **inputs)
 
 
 async def _respond(service: RouterService, body: _SamplingFields, prepared: Prepared, request: Request, chat: bool,

@@ -295,6 +295,56 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(ser
     assert r.status_code == 400 and "cannot fit the context" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("kind", ["prompt", "chat"])
+def test_a_long_tokenization_leaves_the_router_loop_running(serving, monkeypatch, kind):
+    """A prompt just under the character bound took the event loop for its whole tokenization
+    (tokenizers' encode holds the GIL): nothing else ran meanwhile. Order of events: the real
+    tokenizer's call is bracketed by 'start'/'end' (from the thread it runs on) and a task on the
+    router's loop logs 'tick' at every turn: some tick must land between start and end."""
+    import asyncio
+
+    from proto.chat import ChatMessage
+
+    svc = serving.router.service
+    tok = svc.tokenizer
+    limit = svc.max_model_len * tok.max_chars_per_token
+    text = ("The quick brown fox jumps over the lazy dog. " * (limit // 45 + 1))[:limit - 200]
+    events: list[str] = []
+    name = "encode" if kind == "prompt" else "encode_chat"
+    real = getattr(tok, name)
+
+    def traced(*args):
+        events.append("start")
+        out = real(*args)
+        events.append("end")
+        return out
+
+    monkeypatch.setattr(tok, name, traced)
+
+    async def run():
+        done = False
+
+        async def ticker():
+            while not done:
+                events.append("tick")
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        try:
+            if kind == "prompt":
+                return await svc.tokenize(SERVED, text)
+            return await svc.tokenize(SERVED, chat=[ChatMessage("user", text)])
+        finally:
+            done = True
+            await task
+
+    _, ids = serving.call(run())
+    assert len(ids) > svc.max_model_len  # real work: longer than any context this server takes
+    start, end = events.index("start"), events.index("end")
+    assert "tick" in events[start:end], f"no loop turn during {end - start - 1} events of tokenization"
+
+
 def _metric_names(scrape: str) -> set[str]:
     return {line.split("{", 1)[0].split(" ", 1)[0] for line in scrape.splitlines() if line and line[0] != "#"}
 
