@@ -1,9 +1,10 @@
 """pdserve router: one more router replica on its own, discovering workers from a Redis registry.
 
     pdserve router --registry redis://127.0.0.1:6379/0 --port 50061 --http-port 8001 \
-        --internal-secret-file SECRET   # the file `pdserve serve --internal-secret-file SECRET` wrote
+        --internal-secret-file SECRET --api-key KEY   # the secret file and key of the `pdserve serve` it joins
 
-Also the routing options shared with `pdserve serve` (``routing_config``, ``check_registry``), checked
+Also the routing options shared with `pdserve serve` (``routing_config``, ``check_registry``,
+``check_api_key``), checked
 before anything starts (a bad value is a one-line error naming the option, exit status 2).
 Several routers share nothing but the registry and the workers' event streams: each sees the
 load the others put on a worker through that worker's Stats (polled every 0.2 s), so its view of
@@ -27,6 +28,8 @@ SECRET_HELP = ("File holding the cluster's internal secret: every worker API cal
                "without it cannot Reserve, Prefill, Decode or Abort.")
 TLS_HELP = "Certificate (PEM) to serve the public gRPC and HTTP APIs over TLS (needs --tls-key)."
 INTERNAL_CA_HELP = "CA (PEM) the workers' --internal-tls-cert is verified against (default: that certificate)."
+API_KEY_HELP = ("Clients must send 'Authorization: Bearer KEY' (HTTP) or metadata 'authorization: Bearer KEY' "
+                "(gRPC); /health and /metrics stay open.")
 MIGRATION_HELP = ("Times one request may move to another decode-capable worker when its worker dies or stalls "
                   "mid-stream (prompt + streamed tokens recomputed there, same client stream); 0: off.")
 
@@ -72,6 +75,23 @@ def tls_files(cert, key, ca, prefix: str):
         raise UserError(str(e)) from None
 
 
+def check_api_key(flag: str | None) -> str | None:
+    """--api-key (or $PDSERVE_API_KEY, which the option reads; click passes an empty one as unset):
+    the key, None for none; UserError for a key that would protect nothing (router/auth.py)."""
+    import os
+
+    from router.auth import ENV_VAR, check_api_key as check
+
+    if flag is None and os.environ.get(ENV_VAR) == "":
+        flag, source = "", f"${ENV_VAR}"
+    else:
+        source = "--api-key"
+    try:
+        return None if flag is None else check(flag)
+    except ValueError as e:
+        raise UserError(f"{source}: {e}") from None
+
+
 def check_registry(url: str) -> str | None:
     """The --registry URL checked, or None when not given; raises UserError naming the option."""
     if not url:
@@ -88,9 +108,11 @@ def command(
     registry: str = typer.Option(..., help=REGISTRY_HELP),
     mode: str = typer.Option("disagg", help="disagg | agg (as the cluster was started)"),
     host: str = typer.Option("127.0.0.1", help="Address the router binds to."),
-    port: int = typer.Option(50061, help="gRPC port."),
-    http_port: int = typer.Option(8001, help="OpenAI-compatible HTTP port (-1: off)."),
-    metrics_port: int = typer.Option(-1, help="Prometheus port (-1: off)."),
+    port: int = typer.Option(50061, min=0, max=65535, help="gRPC port."),
+    http_port: int = typer.Option(8001, min=-1, max=65535, help="OpenAI-compatible HTTP port (-1: off)."),
+    metrics_port: int = typer.Option(-1, min=-1, max=65535, help="Prometheus port (-1: off)."),
+    api_key: Optional[str] = typer.Option(None, envvar="PDSERVE_API_KEY", show_envvar=True, show_default=False,
+                                          help=API_KEY_HELP + " Give the same key as the serve it joins."),
     router_policy: str = typer.Option("kv", help=POLICY_HELP),
     router_temperature: float = typer.Option(0.0, help=TEMPERATURE_HELP),
     kv_overlap_score_weight: float = typer.Option(2.0, help=WEIGHT_HELP),
@@ -110,6 +132,7 @@ def command(
 
     from router.app import RouterConfig
 
+    key = check_api_key(api_key)
     url = check_registry(registry)
     if url is None:
         raise UserError("--registry is required: pdserve router discovers workers from Redis")
@@ -121,8 +144,9 @@ def command(
                           drain_grace_s=drain_seconds, migration_limit=migration_limit,
                           internal_secret=internal_secret(internal_secret_file),
                           tls=tls_files(tls_cert, tls_key, None, "--tls"),
-                          internal_tls=None if internal_tls_ca is None else _ca_only(internal_tls_ca), routing=routing_config(router_policy, router_temperature,
-                                                        kv_overlap_score_weight))
+                          internal_tls=None if internal_tls_ca is None else _ca_only(internal_tls_ca),
+                          routing=routing_config(router_policy, router_temperature, kv_overlap_score_weight),
+                          api_key=key)
     asyncio.run(_run(url, config))
 
 

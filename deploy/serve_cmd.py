@@ -87,9 +87,7 @@ def command(
     local_prefill_threshold: int = typer.Option(0, min=0, help="Prompts shorter than this many tokens are "
                                                 "prefilled on the decode worker.", rich_help_panel=ROUTER),
     api_key: Optional[str] = typer.Option(None, envvar="PDSERVE_API_KEY", show_envvar=True, show_default=False,
-                                          help="Clients must send 'Authorization: Bearer KEY' (HTTP) or metadata "
-                                          "'authorization: Bearer KEY' (gRPC); /health and /metrics stay open.",
-                                          rich_help_panel=ROUTER),
+                                          help=router_cmd.API_KEY_HELP, rich_help_panel=ROUTER),
     max_body_bytes: int = typer.Option(16 * 1024 * 1024, min=1, help="A larger HTTP request body is answered 413.",
                                        rich_help_panel=ROUTER),
     tls_cert: Optional[Path] = typer.Option(None, help=router_cmd.TLS_HELP, rich_help_panel=NET),
@@ -179,7 +177,7 @@ def command(
 
     model = _model(model_arg, model)
     check_planner_flags(autoscale, slo=slo, profile=profile, planner_interval=planner_interval)
-    api_key = check_api_key(api_key)
+    api_key = router_cmd.check_api_key(api_key)
     check_quantization(quantization)
     check_kv_cache_dtype(kv_cache_dtype)
     registry_url = router_cmd.check_registry(registry)
@@ -280,23 +278,6 @@ def check_planner_flags(autoscale: bool, **given) -> None:
         if value is not None:
             flag = "--" + name.replace("_", "-")
             raise UserError(f"{flag} is for the SLA planner: add --autoscale (with --profile), or drop {flag}")
-
-
-def check_api_key(flag: str | None) -> str | None:
-    """--api-key (or $PDSERVE_API_KEY, which the option reads; click passes an empty one as unset):
-    the key, None for none; UserError for a key that would protect nothing (router/auth.py)."""
-    import os
-
-    from router.auth import ENV_VAR, check_api_key as check
-
-    if flag is None and os.environ.get(ENV_VAR) == "":
-        flag, source = "", f"${ENV_VAR}"
-    else:
-        source = "--api-key"
-    try:
-        return None if flag is None else check(flag)
-    except ValueError as e:
-        raise UserError(f"{source}: {e}") from None
 
 
 def check_batching(batching: str, mode: str, speculative) -> None:

@@ -83,6 +83,8 @@ def test_unknown_command_exit_2(argv, capsys):
     (["serve", "--api-key", ""], "--api-key: the key is empty, which would leave the API open"),
     (["serve", "--api-key", "  "], "--api-key: the key is empty"),
     (["serve", "--api-key", "sk-1 "], "--api-key: the key starts or ends with whitespace"),
+    (["router", "--registry", "redis://127.0.0.1:1/0", "--api-key", ""], "--api-key: the key is empty"),
+    (["router", "--registry", "redis://127.0.0.1:1/0", "--port", "99999"], "--port"),
 ])
 def test_bad_serve_values_exit_2_before_anything_starts(argv, fragment, capsys):
     code, err = _run(argv, capsys)
@@ -164,6 +166,23 @@ def test_empty_api_key_variable_is_a_usage_error_and_a_key_reaches_the_router(mo
     assert captured["router"].api_key == "sk-env" and captured["scaling"].planner is None
     with pytest.raises(ValueError, match="empty"):
         RouterConfig(api_key="")
+
+
+def test_router_replica_takes_the_api_key(monkeypatch):
+    """`pdserve router` had no --api-key: a replica joining a serve that has one served its public API open."""
+    from deploy import router_cmd
+
+    captured = {}
+
+    async def fake_run(url, config):
+        captured.update(url=url, config=config)
+
+    monkeypatch.setattr(router_cmd, "_run", fake_run)
+    cli.main(["router", "--registry", "redis://127.0.0.1:6390/0", "--api-key", "sk-r"])
+    assert captured["config"].api_key == "sk-r"
+    monkeypatch.setenv("PDSERVE_API_KEY", "sk-env")
+    cli.main(["router", "--registry", "redis://127.0.0.1:6390/0"])
+    assert captured["config"].api_key == "sk-env"
 
 
 def test_autoscale_takes_the_slo_and_interval(monkeypatch, tmp_path):
