@@ -22,6 +22,7 @@ from bench import offline as bench_offline
 from bench import quant as bench_quant
 from bench import peers as bench_peers
 from bench import profile as bench_profile
+from bench import router_tokenize as bench_router_tokenize
 from bench import serve as bench_serve
 from deploy import bench_soak
 from bench import spec as bench_spec
@@ -56,6 +57,7 @@ bench_app.command("gpu-check")(bench_gpu_check.command)
 bench_app.command("spec")(bench_spec.command)
 bench_app.command("ablate")(bench_ablate.command)
 bench_app.command("soak")(bench_soak.command)
+bench_app.command("router-tokenize")(bench_router_tokenize.command)
 eval_app.command("ppl")(eval_perplexity.command)
 
 
