@@ -6,8 +6,8 @@ The reference quantizes the activations per token and group of 32 channels in to
 fp32 sum over groups another order, and the output is rounded once to bf16: within one bf16 ulp
 of the largest output, 2^-7 relative. (Its activation quantization multiplies by 1/scale where
 the reference divides: a value exactly between two levels may round the other way, one level in
-a group, far inside that bound.) Shapes cover every row count the kernel specializes (1-12 in one
-pass, 13-40 in two to four), N not a multiple of 16 (a partial tile) nor of 128 (a partial group
+a group, far inside that bound.) Shapes cover every row count the kernel specializes (1-16 in one
+pass, 17-40 in two or three), N not a multiple of 16 (a partial tile) nor of 128 (a partial group
 of tiles), a row stride wider than K, an outlier input channel, and two threads.
 """
 

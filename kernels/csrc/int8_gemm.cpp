@@ -14,23 +14,37 @@
 // weight-only int8; engine/quantization/apply.py).
 //
 // Numerics: the products and their int32 sums within a group are exact; each group's sum times
-// sx is accumulated in fp32, times wscale, rounded once to bf16. vpdpbusd multiplies unsigned by
-// signed bytes: the weight is stored as q + 128 (in [1, 255]) and each group's int32 sum starts at
-// -128 sum_{k in g} xq[m, k] (summed while quantizing the activations), which cancels the offset
-// exactly (a correction on the weight side would be 4 more bytes per output column and group,
-// 1/8 more than the weights themselves, read every step).
+// sx is accumulated in fp32 (groups in order), times wscale, rounded once to bf16. vpdpbusd
+// multiplies unsigned by signed bytes: the weight is stored as q + 128 (in [1, 255]) and each
+// group's int32 sum starts at -128 sum_{k in g} xq[m, k] (summed while quantizing the
+// activations), which cancels the offset exactly (a correction on the weight side would be 4 more
+// bytes per output column and group, 1/8 more than the weights themselves, read every step).
 //
 // Layout (packed once at load, kernels/linear.py pack_int8_gemm): q + 128 as bytes, [N, K] in
 // tiles of 16 output columns, [N/16][K/4][16][4]: bytes 4j..4j+3 of a tile's 64-byte line hold
 // column n0 + j at k = 4i..4i+3 (vpdpbusd's quad layout). N is padded to a multiple of 16 with
-// zero-weight rows (bytes 128, scale 0), K must be a multiple of 32. Work items are groups of 8 tiles on torch's intra-op threads; rows are taken
-// in passes of up to 12 (after the first pass a group's weights are in L1/L2).
+// zero-weight rows (bytes 128, scale 0), K must be a multiple of 32.
+//
+// Register blocking (the structure of kernels/csrc/small_gemm.cpp, the bf16 kernel): a pass takes
+// MR <= 16 rows and NT tiles at once; MR x NT int32 accumulators for the group under way and as
+// many fp32 ones across groups, in registers where both fit (2 MR NT + NT <= 30 of 32), else the
+// fp32 ones in an L1 scratch block (loaded, updated and stored once per group: 1/8 of the
+// vpdpbusd count). 16 rows are one pass (one weight line feeds 16 vpdpbusd; the kernel before
+// this took 12 rows a pass, so 16 rows were two passes of 8, each weight line feeding 8, with 8
+// extra conversions per group: half the speed, measured). The quantized activations are stored
+// per pass as quads, [K/4][rows] int32, so every broadcast is one pointer plus an immediate offset
+// and folds into its vpdpbusd. Work split: units of NT tiles, contiguous ranges per thread; the
+// next unit's lines are asked into L2 while the current one is computed, the current one's a few
+// lines ahead into L1. Rows beyond 16 take further passes of equal size over each unit while it
+// is in cache.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -42,65 +56,105 @@ namespace {
 
 #if PDSERVE_INT8_GEMM
 constexpr int64_t kGroup = 32;     // input channels per activation scale
-constexpr int kMaxRows = 12;       // rows per pass
-constexpr int kGroupTiles = 8;     // tiles per work item: every tiles_for divides it
-constexpr int64_t kPrefetch = 8;   // lines ahead in each tile's stream
+constexpr int64_t kQuads = kGroup / 4;
+constexpr int kMaxRows = 16;       // rows per pass (more rows: passes of equal size)
+constexpr int64_t kPrefetch = 8;       // lines ahead within a tile's stream, into L1
+constexpr int kL2PrefetchRows = 5;     // from these rows on, the next unit into L2 as well
 
-// x [M, K] bf16 -> xq [M, K] s8 = round(x / sx), sx [M, K / 32] fp32 and corr [M, K / 32] int32 =
-// -128 x the group's sum of xq, rows [r0, r1).
-void quantize_groups(const at::BFloat16* x, int64_t ldx, int64_t k, int8_t* xq, float* sx, int32_t* corr, int64_t r0,
-                     int64_t r1) {
+// One pass's quantized activations, rows [0, ldq) of the pass (written by quantize_row).
+struct Pass {
+  int32_t* xq;     // [K/4][ldq]: the 4 bytes xq[m, 4 kq .. 4 kq + 3] at xq[kq * ldq + m]
+  float* sx;       // [K/32][ldq]: sx[m, g] at sx[g * ldq + m]
+  int32_t* corr;   // [K/32][ldq]: -128 sum_{k in g} xq[m, k] at corr[g * ldq + m]
+  int64_t ldq;
+};
+
+// Row x [K] bf16 -> row r of pass p: xq = round(x / sx) (half to even, the default MXCSR mode,
+// |xq| <= 127), sx and corr per group. tmp: 32 bytes of scratch.
+void quantize_row(const at::BFloat16* x, int64_t k, int64_t r, const Pass& p, int8_t* tmp) {
+  const uint16_t* row = reinterpret_cast<const uint16_t*>(x);
   const int64_t groups = k / kGroup;
-  for (int64_t m = r0; m < r1; ++m) {
-    const uint16_t* row = reinterpret_cast<const uint16_t*>(x + m * ldx);
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * kGroup)));
-      const __m512i bits2 =
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * kGroup + 16)));
-      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(bits2, 16));
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-      const float scale = amax > 0.f ? amax / 127.f : 1.f;
-      sx[m * groups + g] = scale;
-      const __m512 inv = _mm512_set1_ps(1.f / scale);
-      // Round to nearest, half to even (the default MXCSR mode), |q| <= 127, narrow to bytes.
-      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
-      const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-      corr[m * groups + g] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * k + g * kGroup), _mm512_cvtsepi32_epi8(qlo));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * k + g * kGroup + 16), _mm512_cvtsepi32_epi8(qhi));
-    }
+  float* sx = p.sx;
+  int32_t* corr = p.corr;
+  int32_t* xq = p.xq;
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * kGroup)));
+    const __m512i bits2 =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * kGroup + 16)));
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(bits2, 16));
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float scale = amax > 0.f ? amax / 127.f : 1.f;
+    sx[g * p.ldq + r] = scale;
+    const __m512 inv = _mm512_set1_ps(1.f / scale);
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+    corr[g * p.ldq + r] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp), _mm512_cvtsepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp + 16), _mm512_cvtsepi32_epi8(qhi));
+    const int32_t* t32 = reinterpret_cast<const int32_t*>(tmp);
+    for (int64_t i = 0; i < kQuads; ++i) xq[(g * kQuads + i) * p.ldq + r] = t32[i];
   }
 }
 
-// Rows [0, MR) x tiles [0, NT) of the quad-layout weight w.
+// Whether MR x NT int32 and fp32 accumulators and NT weight lines fit the 32 vector registers
+// (with a broadcast and a scale to spare).
 template <int NT, int MR>
-void tile_kernel(const int8_t* xq, int64_t k, const float* sx, const int32_t* corr, int64_t groups, const uint8_t* w,
-                 int64_t tile_stride, const float* wscale, at::BFloat16* out, int64_t ldo, int64_t n0, int64_t n) {
-  __m512 acc[MR][NT];
-  for (int m = 0; m < MR; ++m)
-    for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
+constexpr bool regs_fit() { return 2 * MR * NT + NT <= 30; }
+
+// Rows [0, MR) of pass p x tiles [0, NT) of the quad-layout weight w (tile t at w + t tile_stride):
+// out[m, n0 + 16 t + j] for n0 + 16 t < n. next: the weight of the unit after this one
+// (prefetched into L2 at the pace this one is read), or nullptr (a later pass over a unit already
+// in cache, or the last unit).
+template <int NT, int MR>
+void tile_kernel(const Pass p, int64_t groups, const uint8_t* w, int64_t tile_stride, const float* wscale,
+                 at::BFloat16* out, int64_t ldo, int64_t n0, int64_t n, const uint8_t* next) {
+  constexpr bool kReg = regs_fit<NT, MR>();
+  __m512 facc[kReg ? MR : 1][NT];
+  alignas(64) float fmem[kReg ? 1 : MR][NT][16];
+  if constexpr (kReg) {
+    for (int m = 0; m < MR; ++m)
+      for (int t = 0; t < NT; ++t) facc[m][t] = _mm512_setzero_ps();
+  } else {
+    for (int m = 0; m < MR; ++m)
+      for (int t = 0; t < NT; ++t) _mm512_store_ps(fmem[m][t], _mm512_setzero_ps());
+  }
+  const int32_t* xq = p.xq;
   for (int64_t g = 0; g < groups; ++g) {
     __m512i iacc[MR][NT];
+    const int32_t* cg = p.corr + g * p.ldq;
     for (int m = 0; m < MR; ++m) {
-      const __m512i start = _mm512_set1_epi32(corr[m * groups + g]);
+      const __m512i start = _mm512_set1_epi32(cg[m]);
       for (int t = 0; t < NT; ++t) iacc[m][t] = start;
     }
-    for (int64_t kq = g * (kGroup / 4); kq < (g + 1) * (kGroup / 4); ++kq) {
+#pragma GCC unroll 8
+    for (int64_t i = 0; i < kQuads; ++i) {
+      const int64_t kq = g * kQuads + i;
       __m512i wv[NT];
       for (int t = 0; t < NT; ++t) {
         const uint8_t* line = w + t * tile_stride + kq * 64;
-        _mm_prefetch(reinterpret_cast<const char*>(line + kPrefetch * 64), _MM_HINT_T0);
+        if (next != nullptr) {
+          _mm_prefetch(reinterpret_cast<const char*>(line + kPrefetch * 64), _MM_HINT_T0);
+          if (MR >= kL2PrefetchRows) _mm_prefetch(reinterpret_cast<const char*>(next + t * tile_stride + kq * 64), _MM_HINT_T1);
+        }
         wv[t] = _mm512_loadu_si512(line);
       }
+      const int32_t* xk = xq + kq * p.ldq;
       for (int m = 0; m < MR; ++m) {
-        const __m512i a = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xq + m * k + kq * 4));
+        const __m512i a = _mm512_set1_epi32(xk[m]);
         for (int t = 0; t < NT; ++t) iacc[m][t] = _mm512_dpbusd_epi32(iacc[m][t], wv[t], a);
       }
     }
+    const float* sg = p.sx + g * p.ldq;
     for (int m = 0; m < MR; ++m) {
-      const __m512 s = _mm512_set1_ps(sx[m * groups + g]);
-      for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[m][t]), s, acc[m][t]);
+      const __m512 s = _mm512_set1_ps(sg[m]);
+      for (int t = 0; t < NT; ++t) {
+        if constexpr (kReg) {
+          facc[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[m][t]), s, facc[m][t]);
+        } else {
+          _mm512_store_ps(fmem[m][t], _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[m][t]), s, _mm512_load_ps(fmem[m][t])));
+        }
+      }
     }
   }
   for (int t = 0; t < NT; ++t) {
@@ -108,26 +162,40 @@ void tile_kernel(const int8_t* xq, int64_t k, const float* sx, const int32_t* co
     if (col >= n) break;
     const __m512 s = _mm512_loadu_ps(wscale + col);
     const __mmask16 mask = n - col >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - col)) - 1);
-    for (int m = 0; m < MR; ++m)
-      _mm256_mask_storeu_epi16(out + m * ldo + col, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[m][t], s)));
+    for (int m = 0; m < MR; ++m) {
+      __m512 a;
+      if constexpr (kReg) a = facc[m][t]; else a = _mm512_load_ps(fmem[m][t]);
+      _mm256_mask_storeu_epi16(out + m * ldo + col, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(a, s)));
+    }
   }
 }
 
-using Kernel = void (*)(const int8_t*, int64_t, const float*, const int32_t*, int64_t, const uint8_t*, int64_t,
-                        const float*, at::BFloat16*, int64_t, int64_t, int64_t);
-// Tiles at once for MR rows: 2 MR NT accumulators (int32 and fp32) and NT weights, of 32 registers.
-constexpr int tiles_for(int mr) { return mr <= 1 ? 8 : mr <= 2 ? 4 : mr <= 4 ? 2 : 1; }
-template <int... MR>
-struct Table {  // index: rows per pass
-  static constexpr Kernel wide[] = {nullptr, &tile_kernel<tiles_for(MR), MR>...};
-  static constexpr Kernel narrow[] = {nullptr, &tile_kernel<1, MR>...};
-  static constexpr int tiles[] = {1, tiles_for(MR)...};
-};
-using Kernels = Table<1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12>;
+using Kernel = void (*)(const Pass, int64_t, const uint8_t*, int64_t, const float*, at::BFloat16*, int64_t, int64_t,
+                        int64_t, const uint8_t*);
+
+// Tiles at once for MR rows (regs_fit decides where the fp32 sums live: registers for 1-3, 5-7
+// and 9-14 rows): 4 rows take 4 tiles with the fp32 sums in L1 rather than 2 with them in
+// registers (1 thread, cold weights: 1.1-1.2x), 9-16 rows one tile (16: a weight line per 16
+// vpdpbusd).
+constexpr int tiles_for(int mr) { return mr <= 1 ? 8 : mr <= 4 ? 4 : mr <= 8 ? 2 : 1; }
+
+// tile_kernel<NT, MR> for NT in {1, 2, 4, 8} (index 0-3) and MR in 1-16 where NT <= tiles_for(MR),
+// nullptr elsewhere: every pass of a call uses the unit's NT, and its rows are at most the first
+// pass's, whose tiles_for is NT or more.
+template <int NT, int MR>
+constexpr Kernel pick() {
+  if constexpr (tiles_for(MR) >= NT) return &tile_kernel<NT, MR>; else return nullptr;
+}
+template <int NT, int... R>
+constexpr std::array<Kernel, kMaxRows + 1> rows_of(std::integer_sequence<int, R...>) {
+  return {nullptr, pick<NT, R + 1>()...};
+}
+using Rows = std::make_integer_sequence<int, kMaxRows>;
+constexpr std::array<Kernel, kMaxRows + 1> kKernels[4] = {rows_of<1>(Rows{}), rows_of<2>(Rows{}), rows_of<4>(Rows{}),
+                                                          rows_of<8>(Rows{})};
+constexpr int nt_index(int nt) { return nt == 1 ? 0 : nt == 2 ? 1 : nt == 4 ? 2 : 3; }
 #endif
 
-// out [M, N] bf16 <- x [M, K] bf16 (rows contiguous, K a multiple of 32) times the quad-layout
-// weight q + 128 [ceil(N/16), K/4, 16, 4] uint8, each column times wscale [16 ceil(N/16)] fp32.
 void w8a8_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& wscale, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16, "x must be bf16 [M, K], rows contiguous");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 4 && packed.is_contiguous() &&
@@ -142,35 +210,47 @@ void w8a8_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, c
                   out.scalar_type() == at::kBFloat16, "out must be bf16 [M, N], rows contiguous");
 #if PDSERVE_INT8_GEMM
   if (m == 0) return;
-  const int64_t groups = k / kGroup;
-  std::vector<int8_t> xq(m * k);
-  std::vector<float> sx(m * groups);
-  std::vector<int32_t> corr(m * groups);
-  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-  int8_t* xqp = xq.data();
-  float* sxp = sx.data();
-  int32_t* cp = corr.data();
-  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / k), [&](int64_t r0, int64_t r1) {
-    quantize_groups(xp, x.stride(0), k, xqp, sxp, cp, r0, r1);
-  });
+  const int64_t groups = k / kGroup, k4 = k / 4;
   const int64_t passes = (m + kMaxRows - 1) / kMaxRows;
-  const int64_t per_pass = (m + passes - 1) / passes;
-  const int64_t ngroups = (tiles + kGroupTiles - 1) / kGroupTiles;
+  const int64_t per_pass = (m + passes - 1) / passes;   // 20 rows: two passes of 10, not 16 + 4
+  std::vector<int32_t> xq(passes * k4 * per_pass);
+  std::vector<float> sx(passes * groups * per_pass);
+  std::vector<int32_t> corr(passes * groups * per_pass);
+  std::vector<Pass> pass(passes);
+  for (int64_t p = 0; p < passes; ++p)
+    pass[p] = Pass{xq.data() + p * k4 * per_pass, sx.data() + p * groups * per_pass, corr.data() + p * groups * per_pass,
+                   per_pass};
+  {
+    alignas(64) int8_t tmp[kGroup];
+    const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+    for (int64_t r = 0; r < m; ++r) quantize_row(xp + r * x.stride(0), k, r % per_pass, pass[r / per_pass], tmp);
+  }
+  // Fewer tiles at once where wide units would split unevenly over the threads.
+  int nt = tiles_for(static_cast<int>(per_pass));
+  const int64_t threads = at::get_num_threads();
+  while (nt > 1 && threads > 1 && (tiles + nt - 1) / nt < 4 * threads) nt /= 2;
+  const int64_t units = (tiles + nt - 1) / nt;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = wscale.data_ptr<float>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t ldo = out.stride(0), tile_stride = k * 16;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (tile_stride * kGroupTiles));
-  at::parallel_for(0, ngroups, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t t0 = g * kGroupTiles, count = std::min<int64_t>(kGroupTiles, tiles - t0);
-      for (int64_t r0 = 0; r0 < m; r0 += per_pass) {
+  // Threads only with 128 KB of weight or more for each (a hand-off costs more than that much work).
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (tile_stride * nt));
+  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t t0 = u * nt;
+      const int64_t count = std::min<int64_t>(nt, tiles - t0);
+      const uint8_t* next = u + 1 < u1 ? wp + (t0 + nt) * tile_stride : nullptr;
+      for (int64_t r0 = 0, p = 0; r0 < m; r0 += per_pass, ++p) {
         const int rows = static_cast<int>(std::min<int64_t>(per_pass, m - r0));
-        const int nt = count == kGroupTiles ? Kernels::tiles[rows] : 1;
-        const Kernel kernel = nt == 1 ? Kernels::narrow[rows] : Kernels::wide[rows];
-        for (int64_t t = t0; t < t0 + count; t += nt)
-          kernel(xqp + r0 * k, k, sxp + r0 * groups, cp + r0 * groups, groups, wp + t * tile_stride, tile_stride, sp,
-                 op + r0 * ldo, ldo, 16 * t, n);
+        at::BFloat16* orow = op + r0 * ldo;
+        const uint8_t* pf = r0 == 0 ? next : nullptr;   // later passes read the unit from cache
+        if (count == nt) {
+          kKernels[nt_index(nt)][rows](pass[p], groups, wp + t0 * tile_stride, tile_stride, sp, orow, ldo, 16 * t0, n, pf);
+        } else {   // the last, partial unit: one tile at a time
+          for (int64_t t = t0; t < t0 + count; ++t)
+            kKernels[0][rows](pass[p], groups, wp + t * tile_stride, tile_stride, sp, orow, ldo, 16 * t, n, nullptr);
+        }
       }
     }
   });
