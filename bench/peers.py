@@ -73,6 +73,9 @@ def command(
     model: Annotated[str, typer.Option(help="The served model (its config sizes the floor).")] = "smollm2-135m-instruct",
     floors: Annotated[bool, typer.Option(help="Measure GEMM peak and bandwidth first; report each "
                                               "server's fraction of the workload's floor.")] = True,
+    engine_row: Annotated[bool, typer.Option(help="Last, a row 'engine-only': the same prompts closed loop on "
+                                                  "one LLMEngine with serve's defaults, no server "
+                                                  "(bench/closed_loop.py): what serving adds.")] = False,
 ) -> None:
     """Servers side by side, one at a time, same workload: throughput, latency, peak memory."""
     specs = [ServerSpec.parse(s) for s in server]
@@ -88,6 +91,12 @@ def command(
         out = run_one(spec, port, num_prompts, max_tokens, max_concurrency, ignore_eos, num_warmups,
                       dataset_path, log_dir)
         if machine is not None:
+            add_floor(out, model_cfg, max_tokens, max_concurrency, machine)
+        results.append(out)
+    if engine_row:
+        print("pdserve bench peers: engine-only: starting", file=sys.stderr, flush=True)
+        out = run_engine_row(model, num_prompts, max_tokens, max_concurrency, ignore_eos, num_warmups, dataset_path)
+        if machine is not None and "result" in out:
             add_floor(out, model_cfg, max_tokens, max_concurrency, machine)
         results.append(out)
     doc = {"machine": machine_info(), "workload": {"dataset": "sharegpt", "num_prompts": num_prompts,
@@ -141,6 +150,42 @@ def run_one(spec: ServerSpec, port: int, num_prompts: int, max_tokens: int, max_
         stop(proc)
         if log_dir:
             log.close()
+    return out
+
+
+def engine_row_command(model: str, num_prompts: int, max_tokens: int, max_concurrency: int, ignore_eos: bool,
+                       num_warmups: int, dataset_path: Path | None) -> list[str]:
+    """The argv of the engine-only row's process (bench/closed_loop.py)."""
+    argv = [sys.executable, "-m", "bench.closed_loop", "--model", model, "--num-prompts", str(num_prompts),
+            "--max-tokens", str(max_tokens), "--max-concurrency", str(max_concurrency),
+            "--num-warmups", str(num_warmups)]
+    if not ignore_eos:
+        argv.append("--no-ignore-eos")
+    if dataset_path is not None:
+        argv += ["--dataset-path", str(dataset_path)]
+    return argv
+
+
+def run_engine_row(model: str, num_prompts: int, max_tokens: int, max_concurrency: int, ignore_eos: bool,
+                   num_warmups: int, dataset_path: Path | None) -> dict[str, Any]:
+    """The engine-only row: bench/closed_loop.py in a process of its own (its peak RSS sampled like
+    a server's); a failure is reported in the row, not raised."""
+    argv = engine_row_command(model, num_prompts, max_tokens, max_concurrency, ignore_eos, num_warmups, dataset_path)
+    out: dict[str, Any] = {"name": "engine-only", "command": " ".join(argv)}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    sampler = RssSampler(proc.pid)
+    while proc.poll() is None:
+        sampler.sample()
+        time.sleep(0.25)
+    stdout, stderr = proc.communicate()
+    lines = stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = (stderr.strip().splitlines() or ["no output"])[-1]
+        out["error"] = f"exit status {proc.returncode}: {tail}"
+    else:
+        out["result"] = json.loads(lines[-1])
+    out["peak_rss_mib"] = sampler.peak / 2**20
+    out["peak_rss_by_process"] = [{"process": k, "count": n, "rss_mib": b / 2**20} for k, n, b in sampler.peak_by_process]
     return out
 
 

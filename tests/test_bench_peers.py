@@ -80,3 +80,35 @@ def test_process_labels_and_the_breakdown_line():
     line = rss_breakdown([{"name": "d", "peak_rss_by_process": [{"process": "ray::WorkerActor", "count": 2,
                                                                   "rss_mib": 2048.4}]}])
     assert line.splitlines()[1] == "  d: ray::WorkerActor x2 2048"
+
+
+@pytest.mark.model
+def test_engine_row_runs_the_closed_loop_with_serve_defaults(model_path):
+    """bench/closed_loop.py: serve's default scheduler; every prompt served, at most
+    max_concurrency in flight, counted by bench serve's summarize (one ITL per token after the first)."""
+    from dataclasses import replace
+
+    from bench import closed_loop
+    from bench.peers import engine_row_command
+    from deploy import runtime_options as ro
+    from engine.config import CacheConfig
+    from engine.llm_engine import LLMEngine
+
+    cfg = closed_loop.serve_default_config(str(model_path))
+    s = cfg.scheduler
+    assert (s.max_num_batched_tokens, s.idle_max_num_batched_tokens, s.prefill_first_ratio, s.max_num_seqs) == (
+        ro.DEFAULT_MAX_NUM_BATCHED_TOKENS, ro.DEFAULT_IDLE_MAX_NUM_BATCHED_TOKENS, ro.DEFAULT_PREFILL_FIRST_RATIO, 32)
+    assert not cfg.cache.enable_prefix_caching and cfg.dtype == "auto"
+    engine = LLMEngine(replace(cfg, cache=CacheConfig(num_blocks=64, enable_prefix_caching=False),
+                               num_threads=None, cpu_cores=None))
+    running = []
+    step = engine.step
+    engine.step = lambda: (running.append(len(engine.scheduler.running) + len(engine.scheduler.waiting)), step())[1]
+    doc = closed_loop.run(engine, [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12], [13, 14]], max_concurrency=2,
+                          max_tokens=4)
+    assert doc["completed"] == 4 and doc["failed"] == 0 and doc["total_output_tokens"] == 16
+    assert doc["total_input_tokens"] == 14 and max(running) == 2
+    assert doc["p99_itl_ms"] > 0 and doc["median_ttft_ms"] > 0 and doc["output_throughput"] > 0
+    assert engine.block_manager.num_used_blocks == 0
+    argv = engine_row_command("m", 32, 64, 16, False, 2, None)
+    assert argv[1:3] == ["-m", "bench.closed_loop"] and "--no-ignore-eos" in argv and "--dataset-path" not in argv
