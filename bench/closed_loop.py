@@ -6,7 +6,7 @@ LLMEngine in this process as soon as one in flight finishes, and the engine step
 unfinished. No HTTP, no gRPC, no router, no client, no event loop: the gap between this row and
 ``pdserve serve``'s is what serving adds to the engine's own speed.
 
-The engine gets ``pdserve serve``'s default scheduler and cache (deploy/runtime_options.py: token
+The engine gets ``pdserve serve``'s default scheduler and cache (engine/config.py, measured in deploy/runtime_options.py: token
 budget, idle budget, prefill-first ratio, KV cache bytes; 32 sequences; no prefix caching, as
 ``bench peers`` runs the servers) on every core this process may use. Times are taken when a step
 returns (``time.perf_counter``, seconds): TTFT from the request's add to the end of the step that
@@ -32,7 +32,7 @@ from bench.metrics import RequestRecord, summarize
 
 def serve_default_config(model: str):
     """EngineConfig of one agg worker started by ``pdserve serve`` with its defaults (prefix caching off)."""
-    from deploy import runtime_options as ro
+    from engine import config as ro
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
     cores = sorted(os.sched_getaffinity(0))

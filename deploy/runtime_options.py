@@ -16,6 +16,8 @@ from pathlib import Path
 import typer
 
 from engine import platform
+from engine.config import (DEFAULT_IDLE_MAX_NUM_BATCHED_TOKENS, DEFAULT_KV_CACHE_BYTES,  # noqa: F401 - serve's defaults
+                           DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_PREFILL_FIRST_RATIO)
 from engine.errors import UserError
 
 # Chunked-prefill token budget of one forward (decode tokens + prefill chunks), for serve.
@@ -26,20 +28,20 @@ from engine.errors import UserError
 #   budget 128: 93 / 139 tok/s,          ITL p99 602 / 505 ms, TTFT p99 the lowest of round 2
 # Throughput is the same within the noise; a step's time grows with its prefill chunk, so the
 # smallest budget keeps decode rows from stalling behind a prefill (ITL p99).
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 128
+# DEFAULT_MAX_NUM_BATCHED_TOKENS = 128: engine/config.py (benchmarks build serve's engine from it too)
 # The budget of a step with no decode row in it (engine/config.py): a burst at an idle engine is
 # prefilled in few big steps, which stall nobody's next token. 2048 = vLLM's CPU default budget.
-DEFAULT_IDLE_MAX_NUM_BATCHED_TOKENS = 2048
+# DEFAULT_IDLE_MAX_NUM_BATCHED_TOKENS = 2048: engine/config.py (benchmarks build serve's engine from it too)
 # A step with decode rows takes that budget too when the requests waiting for their prompt are at
 # least this many times the decode rows (engine/config.py SchedulerConfig.prefill_first_ratio).
-DEFAULT_PREFILL_FIRST_RATIO = 1.0
+# DEFAULT_PREFILL_FIRST_RATIO = 1.0: engine/config.py (benchmarks build serve's engine from it too)
 # A prefill worker's step budget (disagg): it never decodes, so no ITL bounds it. Measured 2026-12-01
 # (quiet, `bench peers` workload, disagg 1P+1D, one core each, --local-prefill-threshold 128): 2048:
 # 371 output tok/s, 512: 300; every prompt through P at 128 with the old scheduler: 244. Each step also
 # pushes every chunk's KV layer by layer, a cost per chunk and layer on the prefill worker's one core.
 DEFAULT_PREFILL_MAX_NUM_BATCHED_TOKENS = 2048
 # Default KV cache per worker: this much, or less where memory is short (below).
-DEFAULT_KV_CACHE_BYTES = 2 * 2**30
+# DEFAULT_KV_CACHE_BYTES = 2 * 2**30: engine/config.py (benchmarks build serve's engine from it too)
 DEFAULT_KV_MEMORY_FRACTION = 0.2   # of MemAvailable, shared by the workers of this host
 # Of a default-sized KV cache, what a prefill worker gets (disagg): 2 GiB -> 1 GiB, 45k tokens of the
 # bundled model in flight or cached on it. Measured (quiet, bench peers, disagg 1P+1D): peak RSS

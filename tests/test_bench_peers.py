@@ -90,7 +90,7 @@ def test_engine_row_runs_the_closed_loop_with_serve_defaults(model_path):
 
     from bench import closed_loop
     from bench.peers import engine_row_command
-    from deploy import runtime_options as ro
+    from deploy import runtime_options as ro  # the values serve's flags default to
     from engine.config import CacheConfig
     from engine.llm_engine import LLMEngine
 
