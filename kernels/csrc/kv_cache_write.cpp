@@ -19,6 +19,7 @@
 #include <optional>
 #include <type_traits>
 
+#include "dtype_dispatch.h"
 #include "simd_math.h"
 
 namespace {
@@ -124,27 +125,14 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
     vs = v_scale->data_ptr<float>();
     scale_n = k_scale->numel();
   }
-  auto with_cache = [&](auto x_tag) {
-    using X = decltype(x_tag);
-    auto go = [&](auto c_tag) {
+  pdserve_dispatch::activation(key.scalar_type(), "K/V", [&](auto x_tag) {
+    pdserve_dispatch::kv_cache(key_cache.scalar_type(), [&](auto c_tag) {
+      using X = decltype(x_tag);
       using C = decltype(c_tag);
       write_one<X, C>(key, key_cache, slots, ks, scale_n);
       write_one<X, C>(value, value_cache, slots, vs, scale_n);
-    };
-    switch (key_cache.scalar_type()) {
-      case at::kFloat: return go(float{});
-      case at::kBFloat16: return go(at::BFloat16{});
-      case at::kHalf: return go(at::Half{});
-      case at::kFloat8_e4m3fn: return go(at::Float8_e4m3fn{});
-      default: TORCH_CHECK(false, "unsupported KV cache dtype ", key_cache.scalar_type());
-    }
-  };
-  switch (key.scalar_type()) {
-    case at::kFloat: return with_cache(float{});
-    case at::kBFloat16: return with_cache(at::BFloat16{});
-    case at::kHalf: return with_cache(at::Half{});
-    default: TORCH_CHECK(false, "unsupported K/V dtype ", key.scalar_type());
-  }
+    });
+  });
 }
 
 }  // namespace

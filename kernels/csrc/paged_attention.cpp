@@ -54,6 +54,7 @@
 #include <immintrin.h>
 #endif
 
+#include "dtype_dispatch.h"
 #include "simd_math.h"
 
 namespace {
@@ -447,6 +448,8 @@ struct Scratch {
 #define PDSERVE_ATTN_TILE_KEYS 64
 #endif
 constexpr int kTileKeys = PDSERVE_ATTN_TILE_KEYS;   // even
+constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.693147180559945309f;
+using pdserve_simd::exp2_neg;
 static_assert(kTileKeys % 2 == 0, "the tile path takes keys in pairs");
 
 inline __m512bh broadcast_pair(const void* p) {
@@ -530,43 +533,41 @@ inline void pack_value_pair(uint32_t* dst, const at::BFloat16* a, const at::BFlo
 inline __m512i bf16_low(__m512 x) { return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)); }
 
 // One step's online softmax for RV row vectors over nk keys at positions c0 ..: s [nk][16 RV]
-// scores in, p (fp32) out, rows' running max m and sum l [16 RV] and o [D][16 RV] rescaled when a
-// max moves; keys at or past a row's limit (causal) get p = 0 (causal = false: none is). Then P
-// as bf16 pairs of keys into p2 [(nk + 1) / 2][16 RV].
+// scores in log2 units (scale x log2(e) folded in, so p = 2^(s - m)), the rows' running max m and
+// sum l [16 RV] and o [D][16 RV] rescaled when a max moves; keys at or past a row's limit (causal)
+// get p = 0 (causal = false: every key is visible). P goes out as bf16 pairs of keys, p2
+// [(nk + 1) / 2][16 RV]; l sums the fp32 p.
 template <int RV>
-inline void softmax_tile(float* s, int nk, int64_t c0, const __m512i* limit, bool causal, float* m, float* l,
+inline void softmax_tile(const float* s, int nk, int64_t c0, const __m512i* limit, bool causal, float* m, float* l,
                          float* o, int D, uint32_t* p2) {
   constexpr int L = 16 * RV;
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
   for (int v = 0; v < RV; ++v) {
+    auto visible = [&](int t) -> __mmask16 {
+      return causal ? _mm512_cmpgt_epi32_mask(limit[v], _mm512_set1_epi32(static_cast<int>(c0 + t))) : 0xFFFF;
+    };
     const __m512 m_old = _mm512_loadu_ps(m + v * 16);
     __m512 mx = m_old;
-    for (int t = 0; t < nk; ++t) {
-      const __m512 x = _mm512_loadu_ps(s + t * L + v * 16);
-      const __mmask16 vis = causal ? _mm512_cmpgt_epi32_mask(limit[v], _mm512_set1_epi32(static_cast<int>(c0 + t))) : 0xFFFF;
-      mx = _mm512_mask_max_ps(mx, vis, mx, x);
-    }
+    for (int t = 0; t < nk; ++t) mx = _mm512_mask_max_ps(mx, visible(t), mx, _mm512_loadu_ps(s + t * L + v * 16));
     const __mmask16 valid = _mm512_cmp_ps_mask(mx, neg_inf, _CMP_NEQ_OQ);   // the row has seen a key
     const __m512 msub = _mm512_maskz_mov_ps(valid, mx);
     __m512 sum = _mm512_loadu_ps(l + v * 16);
     if (_mm512_cmp_ps_mask(mx, m_old, _CMP_NEQ_OQ) != 0) {   // some row's max moved: rescale
-      const __m512 corr = _mm512_maskz_mov_ps(valid, exp_neg(_mm512_sub_ps(m_old, msub)));
+      const __m512 corr = _mm512_maskz_mov_ps(valid, exp2_neg(_mm512_sub_ps(m_old, msub)));
       sum = _mm512_mul_ps(sum, corr);
       for (int i = 0; i < D; ++i) _mm512_storeu_ps(o + i * L + v * 16, _mm512_mul_ps(_mm512_loadu_ps(o + i * L + v * 16), corr));
     }
-    for (int t = 0; t < nk; ++t) {
-      const __mmask16 vis = causal ? _mm512_cmpgt_epi32_mask(limit[v], _mm512_set1_epi32(static_cast<int>(c0 + t))) : 0xFFFF;
-      const __m512 p = _mm512_maskz_mov_ps(vis & valid, exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + t * L + v * 16), msub)));
-      sum = _mm512_add_ps(sum, p);
-      _mm512_storeu_ps(s + t * L + v * 16, p);
+    auto p_of = [&](int t) {
+      return _mm512_maskz_mov_ps(visible(t) & valid, exp2_neg(_mm512_sub_ps(_mm512_loadu_ps(s + t * L + v * 16), msub)));
+    };
+    for (int u = 0; 2 * u < nk; ++u) {
+      const __m512 pa = p_of(2 * u);
+      const __m512 pb = 2 * u + 1 < nk ? p_of(2 * u + 1) : _mm512_setzero_ps();
+      sum = _mm512_add_ps(sum, _mm512_add_ps(pa, pb));
+      _mm512_storeu_si512(p2 + u * L + v * 16, _mm512_or_si512(bf16_low(pa), _mm512_slli_epi32(bf16_low(pb), 16)));
     }
     _mm512_storeu_ps(m + v * 16, mx);
     _mm512_storeu_ps(l + v * 16, sum);
-    for (int u = 0; 2 * u < nk; ++u) {
-      const __m512i a = bf16_low(_mm512_loadu_ps(s + 2 * u * L + v * 16));
-      const __m512i b = 2 * u + 1 < nk ? bf16_low(_mm512_loadu_ps(s + (2 * u + 1) * L + v * 16)) : _mm512_setzero_si512();
-      _mm512_storeu_si512(p2 + u * L + v * 16, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
-    }
   }
 }
 
@@ -617,19 +618,19 @@ void attend_tile(const Item& it, const Call<Q, KV>& c, TileScratch& w) {
   };
   for (int hh = 0; hh < it.nh; ++hh) {
     const int h = it.h0 + hh;
-    for (int j = 0; j < D / 2; ++j)
-      for (int r = 0; r < L; ++r) {
-        uint32_t x = 0;
-        if (r < rows) {
-          const Q* q = c.query + (first + it.q0 + r / group) * c.q_tok + (static_cast<int64_t>(h) * group + r % group) * c.q_head;
-          std::memcpy(&x, q + 2 * j, sizeof(x));
-        }
-        w.qp[static_cast<size_t>(j) * L + r] = x;
+    for (int r = 0; r < L; ++r) {
+      uint32_t* dst = w.qp.data() + r;
+      if (r >= rows) {
+        for (int j = 0; j < D / 2; ++j) dst[j * L] = 0;
+        continue;
       }
+      const Q* q = c.query + (first + it.q0 + r / group) * c.q_tok + (static_cast<int64_t>(h) * group + r % group) * c.q_head;
+      for (int j = 0; j < D / 2; ++j) std::memcpy(dst + j * L, q + 2 * j, sizeof(uint32_t));
+    }
     std::fill(w.o.begin(), w.o.end(), 0.f);
     std::fill(w.m.begin(), w.m.end(), kNegInf);
     std::fill(w.l.begin(), w.l.end(), 0.f);
-    const float ks = c.scale * head_scale(c.k_scale, c.scale_heads, h);
+    const float ks = c.scale * head_scale(c.k_scale, c.scale_heads, h) * kLog2e;   // scores in log2 units
     for (int64_t c0 = it.k0; c0 < k_end; c0 += kTileKeys) {
       const int nk = static_cast<int>(std::min<int64_t>(kTileKeys, k_end - c0));
       for (int64_t t = c0; t < c0 + nk;) {   // scores, one block's run of keys at a time
@@ -655,17 +656,24 @@ void attend_tile(const Item& it, const Call<Q, KV>& c, TileScratch& w) {
       pv_tile<D, RV>(w.p2.data(), w.vp.data(), U, w.o.data());
     }
     const float vs = c.v_scale == nullptr ? 1.f : c.v_scale[c.scale_heads == 1 ? 0 : h];
+    // O^T back to rows: row r's 16 columns i .. i + 15 gathered from o (L floats apart)
+    const __m512i cols = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(L));
     for (int r = 0; r < rows; ++r) {
+      const float* src = w.o.data() + r;
       if (it.slot >= 0) {
         float* dst = c.partial + (it.slot * c.partial_rows + static_cast<int64_t>(hh) * rows + r) * (D + 2);
-        for (int i = 0; i < D; ++i) dst[i] = w.o[static_cast<size_t>(i) * L + r] * vs;
-        dst[D] = w.m[r];
+        for (int i = 0; i < D; i += 16)
+          _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_i32gather_ps(cols, src + i * L, 4), _mm512_set1_ps(vs)));
+        dst[D] = w.m[r] * kLn2;   // natural units, as attend_item's partials
         dst[D + 1] = w.l[r];
         continue;
       }
       Q* dst = c.out + (first + it.q0 + r / group) * c.os[0] + (static_cast<int64_t>(h) * group + r % group) * c.os[1];
-      const float inv = vs / w.l[r];
-      for (int i = 0; i < D; ++i) dst[i] = static_cast<Q>(w.o[static_cast<size_t>(i) * L + r] * inv);
+      const __m512 inv = _mm512_set1_ps(vs / w.l[r]);
+      for (int i = 0; i < D; i += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_i32gather_ps(cols, src + i * L, 4), inv)));
     }
   }
 }
@@ -953,8 +961,11 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, 
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch w;
     TileScratch tw;
-    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1))
-      if (!try_tile<Q, KV>(items[i], c, tw)) attend_item<Q, KV>(items[i], c, w);
+    // from the last item: a chunk's later tiles see more keys, and the costliest first balances best
+    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
+      const Item& it = items[n_items - 1 - i];
+      if (!try_tile<Q, KV>(it, c, tw)) attend_item<Q, KV>(it, c, w);
+    }
   });
   for (const Split& s : splits) merge_partials<Q, KV>(s.tile, s.first_slot, s.n, c);
 }
@@ -1002,28 +1013,12 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const at::Tensor& query_start_loc, double scale, const std::optional<at::Tensor>& k_scale,
                      const std::optional<at::Tensor>& v_scale, int64_t skip_prefill_from) {
   check(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, k_scale, v_scale);
-  // fp32, bf16, fp16 queries x fp32, bf16, fp16, e4m3 caches (a dispatch over every float type
-  // doubles the build time).
-  auto with_kv = [&](auto q_tag) {
-    using Q = decltype(q_tag);
-    auto go = [&](auto kv_tag) {
-      run<Q, decltype(kv_tag)>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                               k_scale, v_scale, skip_prefill_from);
-    };
-    switch (key_cache.scalar_type()) {
-      case at::kFloat: return go(float{});
-      case at::kBFloat16: return go(at::BFloat16{});
-      case at::kHalf: return go(at::Half{});
-      case at::kFloat8_e4m3fn: return go(at::Float8_e4m3fn{});
-      default: TORCH_CHECK(false, "unsupported KV cache dtype ", key_cache.scalar_type());
-    }
-  };
-  switch (query.scalar_type()) {
-    case at::kFloat: return with_kv(float{});
-    case at::kBFloat16: return with_kv(at::BFloat16{});
-    case at::kHalf: return with_kv(at::Half{});
-    default: TORCH_CHECK(false, "unsupported query dtype ", query.scalar_type());
-  }
+  pdserve_dispatch::activation(query.scalar_type(), "query", [&](auto q_tag) {
+    pdserve_dispatch::kv_cache(key_cache.scalar_type(), [&](auto kv_tag) {
+      run<decltype(q_tag), decltype(kv_tag)>(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                             query_start_loc, scale, k_scale, v_scale, skip_prefill_from);
+    });
+  });
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
 // AVX-512 helpers shared by the CPU kernels (paged_attention.cpp, layer_ops.cpp): fp32 loads of
-// 16 cache/activation elements and exp for non-positive arguments. One copy, so a fix or a
+// 16 cache/activation elements and exp / exp2 for non-positive arguments. One copy, so a fix or a
 // change of precision reaches every kernel; the build key (kernels/cpu_attention.py) hashes this
 // header with the sources.
 #pragma once
@@ -49,6 +49,22 @@ inline __m512 exp_neg(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 2^x for x <= 0 (softmax scores in log2 units minus their running max): 2^n * 2^f, n = round(x),
+// f = x - n in [-1/2, 1/2] (exact), 2^f = e^(f ln2) as its degree-5 Taylor polynomial (relative
+// error ~3e-6, far below the bf16 rounding of P that follows); x below -126 gives ~0, -inf 0.
+inline __m512 exp2_neg(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3333558146e-3f);   // ln2^k / k!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
 
