@@ -4,9 +4,12 @@ Every row of the flat batch (see AttentionMetadata) goes through one C++ kernel 
 tables in place: decode rows, verification runs and prefill chunks at any start position
 (chunked prefill, prefix-cache hits), causal inside each chunk, each query over its sequence's
 keys up to its own position. Query tiles of up to 48 rows per KV head are the work items (with
-split-K for small batches), on torch's intra-op threads; within a tile the keys are taken in
-partitions of 512, with a two-pass softmax inside a partition and online rescaling between them;
-fp32 accumulation; AVX-512 / AVX512-BF16 where the CPU has them, a portable path otherwise.
+split-K for small batches), on torch's intra-op threads, costliest first. Decode and short rows:
+the keys in partitions of 512, with a two-pass softmax inside a partition and online rescaling
+between them. Prefill tiles (16-48 rows per KV head, bf16 queries over a bf16 or FP8 cache): QK^T
+and PV as two bf16 GEMMs (vdpbf16ps) with the query rows in the vector lanes, K read in place, P
+rounded to bf16, online softmax per 64 keys. fp32 accumulation; AVX-512 / AVX512-BF16 where the
+CPU has them, a portable path otherwise.
 FP8 E4M3 caches are dequantized in the kernel with their per-layer or per-KV-head scales, so
 prefill and decode read the same quantized bytes. No reference groups are built
 (``metadata_groups = "none"``).

@@ -99,6 +99,31 @@ def test_bf16_within_tolerance_of_fp32(cpu, batch, block_size, head_dim):
     assert err < 1.6e-2 and err <= ref_err + 1e-6
 
 
+TILE_BATCHES = {
+    # chunks of 16, 8 and 6 tokens: 16 to 48 rows per KV head at groups 1-3 (the kernel's prefill
+    # tile path: one, two or three vectors of 16 rows), and rows below it (the row path)
+    "tile shapes": [(0, 16), (100, 8), (30, 6), (63, 16)],
+    # one 16-token chunk across the 512-key partition edge, alone: its keys split over two items,
+    # and the tile's first rows see no key of the second (no max, no sum: the merge skips them)
+    "split tile": [(500, 16)],
+}
+
+
+@pytest.mark.parametrize("batch", list(TILE_BATCHES))
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_bf16_prefill_tiles_within_tolerance_of_fp32(cpu, batch, group):
+    """The prefill tile path (bf16 pair dot products for QK^T and PV, P rounded to bf16) at every
+    tile height, held to the bf16 rule of test_bf16_within_tolerance_of_fp32."""
+    query, kc, vc, full, lean, args = case(TILE_BATCHES[batch], 16, kv_heads=2, group=group, head_dim=64,
+                                           dtype=torch.bfloat16)
+    ref = get_attention_backend("torch")
+    exact = ref.paged_attention(query.float(), kc.float(), vc.float(), AttentionMetadata.build(*args), 0.125)
+    got = cpu.paged_attention(query, kc, vc, lean, 0.125)
+    err = (got.float() - exact).abs().max().item()
+    ref_err = (ref.paged_attention(query, kc, vc, full, 0.125).float() - exact).abs().max().item()
+    assert err < 1.6e-2 and err <= ref_err + 1e-6
+
+
 def test_threads_split_the_work_without_changing_the_result(cpu):
     query, kc, vc, _, lean, _ = case(BATCHES["decode"] * 3, 16, kv_heads=3, group=3, head_dim=64, dtype=torch.float32)
     before = torch.get_num_threads()
