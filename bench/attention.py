@@ -8,6 +8,10 @@ Two parts, in one run:
   (at least 64 MiB in all, more than the L3) that every call finds its K/V in DRAM, as it does
   inside a decode step. Reported: ms per layer (CPU time, median), and the K/V bytes the kernel
   reads per second.
+- **prefill**: one layer's attention of one prefill chunk of each ``--prefill-lens`` length, from
+  position 0 and continued after as many cached tokens (causal; the same shapes, scattered
+  tables). Reported: ms per layer and GFLOP/s of the causal work (4 x head_dim FLOPs per query
+  head and visible (query, key) pair; the CPU's bf16 GEMM peak is ~470 GFLOP/s a core).
 - **step**: a whole decode step of the bundled model (batch 16, ~250-token contexts by default)
   per dtype and backend: ms per step, the part of it spent in attention, and the metadata build
   (``AttentionMetadata.build``) per step; ``--profile`` adds torch.profiler's top operators.
@@ -40,6 +44,8 @@ def command(
     batch_sizes: str = typer.Option("1,16,32", "--batch-sizes", help="Comma-separated batch sizes (op part)."),
     contexts: str = typer.Option("256,1024", "--contexts", help="Comma-separated context lengths (op part)."),
     dtypes: str = typer.Option("float32,bfloat16", "--dtypes", help="Comma-separated dtypes."),
+    prefill_lens: str = typer.Option("512", "--prefill-lens",
+                                     help="Comma-separated prefill chunk lengths (prefill part; empty = skip it)."),
     step_batch: int = typer.Option(16, "--step-batch", help="Decode batch of the step part (0 = skip it)."),
     step_context: int = typer.Option(250, "--step-context", help="Context of each sequence in the step part."),
     repeats: int = typer.Option(9, "--repeats", help="Timed repeats (median)."),
@@ -57,11 +63,15 @@ def command(
     torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
     names = [d.strip() for d in dtypes.split(",") if d.strip()]
     result = {"threads": torch.get_num_threads(), "load_before": os.getloadavg(),
-              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "op": [], "step": []}
+              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "op": [], "prefill": [], "step": []}
     for dtype in names:
         for batch in _ints(batch_sizes):
             for context in _ints(contexts):
                 result["op"].append(_op(getattr(torch, dtype), batch, context, repeats))
+    for dtype in names:
+        for length in _ints(prefill_lens):
+            for start in (0, length):
+                result["prefill"].append(_prefill(getattr(torch, dtype), start, length, repeats))
     if step_batch:
         for dtype in names:
             result["step"].append(_step(model, getattr(torch, dtype), step_batch, step_context, repeats, profile,
@@ -108,6 +118,34 @@ def _op(dtype, batch: int, context: int, repeats: int) -> dict:
             "torch_ms_per_layer_wall": per_layer["torch"]["wall"], "cpu_ms_per_layer_wall": per_layer["cpu"]["wall"],
             "speedup": per_layer["torch"]["cpu"] / per_layer["cpu"]["cpu"],
             "cpu_kv_read_gb_s": kv_bytes / (per_layer["cpu"]["cpu"] / 1000) / 1e9}
+
+
+def _prefill(dtype, start: int, length: int, repeats: int) -> dict:
+    """One layer's attention of a chunk of ``length`` tokens after ``start`` cached ones."""
+    import torch
+
+    from kernels.attention import AttentionMetadata, get_attention_backend
+
+    blocks = -(-(start + length) // BLOCK)
+    order = list(range(blocks + 1))
+    random.Random(0).shuffle(order)
+    key_cache, value_cache = (torch.randn(blocks + 1, BLOCK, KV_HEADS, HEAD_DIM).to(dtype) for _ in range(2))
+    args = ([start], [length], [order[:blocks]], BLOCK)
+    query = torch.randn(length, HEADS, HEAD_DIM).to(dtype)
+    ref, cpu = get_attention_backend("torch"), get_attention_backend("cpu")
+    full = AttentionMetadata.build(*args, dtype=dtype)
+    lean = AttentionMetadata.build(*args, dtype=dtype, groups=cpu.metadata_groups)
+    times = _interleaved({"torch": lambda: ref.paged_attention(query, key_cache, value_cache, full, HEAD_DIM ** -0.5),
+                          "cpu": lambda: cpu.paged_attention(query, key_cache, value_cache, lean, HEAD_DIM ** -0.5)},
+                         repeats)
+    flops = 4 * HEAD_DIM * HEADS * (length * start + length * (length + 1) // 2)
+    out = {"dtype": str(dtype).removeprefix("torch."), "start": start, "length": length, "gflop": flops / 1e9}
+    for name in times:
+        out[f"{name}_ms_per_layer"] = 1000 * times[name]["cpu"]
+        out[f"{name}_ms_per_layer_wall"] = 1000 * times[name]["wall"]
+        out[f"{name}_gflop_s"] = flops / times[name]["cpu"] / 1e9
+        out[f"{name}_gflop_s_wall"] = flops / times[name]["wall"] / 1e9
+    return out
 
 
 def _step(model: str, dtype, batch: int, context: int, repeats: int, profile: bool, kv_cache_dtype: str = "auto") -> dict:
@@ -209,6 +247,13 @@ def _print_table(result: dict) -> None:
     for r in result["op"]:
         print(f"{r['dtype']:9} {r['batch']:5d} {r['context']:5d} {r['torch_ms_per_layer']:9.3f} "
               f"{r['cpu_ms_per_layer']:8.3f} {r['speedup']:7.2f}x {r['cpu_kv_read_gb_s']:11.1f}")
+    if result["prefill"]:
+        print("\nattention, one layer of one prefill chunk (ms and GFLOP/s; CPU time, and wall GFLOP/s)")
+        print(f"{'dtype':9} {'start':>5} {'len':>5} {'torch ms':>9} {'cpu ms':>8} {'torch GF/s':>10} {'cpu GF/s':>9} "
+              f"{'cpu wall GF/s':>13}")
+        for r in result["prefill"]:
+            print(f"{r['dtype']:9} {r['start']:5d} {r['length']:5d} {r['torch_ms_per_layer']:9.3f} {r['cpu_ms_per_layer']:8.3f} "
+                  f"{r['torch_gflop_s']:10.1f} {r['cpu_gflop_s']:9.1f} {r['cpu_gflop_s_wall']:13.1f}")
     if result["step"]:
         print("\ndecode step (ms, CPU time): whole step / attention in it / metadata build")
         print(f"{'dtype':9} {'kv':>8} {'batch':>5} {'ctx':>5} {'torch step':>10} {'attn':>6} {'meta':>6} "
