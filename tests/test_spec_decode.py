@@ -458,3 +458,37 @@ def test_the_step_time_model_learns_the_target_step_without_the_drafting():
     (mean, _), = spec.time_model._means.values()
     assert 0.9 < mean < 1.0  # the drafting and the draft's prefill were taken out
     assert spec.draft_cost.observations == 1 and spec.counters.num_accepted_tokens == 1
+
+
+def test_draft_cost_is_the_same_steps_ratio_and_ignores_a_spike():
+    """The draft/target ratio is taken against the same step's target time (a load rise that
+    slows both leaves it alone) and is the median of recent observations (one 4x spike, as a
+    warm-up forward or a neighbour's burst gave here, does not move it)."""
+    from engine.spec_decode.adaptive import DraftCost
+
+    m = StepTimeModel(prior_a=0.014, prior_b=0.001)
+    cost = DraftCost(prior_ratio=0.5)
+    for load in (1.0, 3.0, 1.0, 2.0):  # the machine slows both models alike
+        cost.observe(0.6 * m.predict(1) * load, 1, m, step_seconds=m.predict(3) * load, step_tokens=3)
+    assert cost.ratio == pytest.approx(0.6)
+    cost.observe(4 * m.predict(1), 1, m, step_seconds=m.predict(3), step_tokens=3)
+    assert cost.ratio == pytest.approx(0.6) and cost.observations == 5
+
+
+def test_a_new_request_starts_at_the_pooled_acceptance():
+    """A new request's acceptance estimate starts at what earlier requests' drafts scored, not at
+    a fixed prior (with the prior below the break-even a new request was never drafted for)."""
+    from engine.spec_decode.draft import DraftModelProposer
+
+    s = make()
+    decoding(s, "a", n=30, max_tokens=40)
+    spec = Speculator(SpeculativeConfig("draft", 2, model="x", adaptive=False), max_model_len=1024,
+                      proposer=DraftModelProposer(_FakeDraftRunner(), VOCAB))
+    assert spec._rate("first").value == pytest.approx(0.8)  # the prior, before any verification
+    for _ in range(8):  # every draft accepted
+        plan = s.schedule(spec.drafts(s.running))
+        result = StepResult(verified={"a": (5, 5, 7)})
+        spec.observe(plan, result, seconds=0.02)
+        s.update(plan, result)
+    assert spec.counters.num_accepted_tokens == 16 and spec.pooled_acceptance.value > 0.9
+    assert spec._rate("new").value == pytest.approx(spec.pooled_acceptance.value)

@@ -35,6 +35,8 @@ whole batch's throughput.
 from __future__ import annotations
 
 import heapq
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -121,17 +123,30 @@ class StepTimeModel:
 
 class DraftCost:
     """Seconds of one draft-model forward over R rows, d(R) = ratio x t(R) with t the target's
-    StepTimeModel; ratio starts at ``prior_ratio`` (optimistic, so speculation is tried and
-    measured) and follows an exponential moving average of measured forwards."""
+    StepTimeModel. Each observation is one step's draft forward (seconds per forward) over the
+    target's forward of the *same step*, brought to R tokens by the model's t(R) / t(B): both
+    were timed under the same load, so the shared machine's load drift (3x within minutes here)
+    cancels instead of landing in the ratio. ``ratio`` is the median of the last ``window``
+    observations: a warm-up forward or a load spike (a draft forward of 97 ms against a 35 ms
+    target step, measured) moves it by one rank, not by a fifth of its size, so one bad sample
+    cannot make drafting look unprofitable forever (an idle speculator measures nothing more).
+    Starts at ``prior_ratio`` (optimistic, so speculation is tried and measured)."""
 
-    def __init__(self, prior_ratio: float = 0.5, ema: float = 0.2) -> None:
-        self.ratio, self.ema, self.observations = prior_ratio, ema, 0
+    def __init__(self, prior_ratio: float = 0.5, window: int = 9) -> None:
+        self.ratio, self.observations = prior_ratio, 0
+        self._recent: deque[float] = deque(maxlen=window)
 
-    def observe(self, seconds_per_forward: float, rows: int, time_model: StepTimeModel) -> None:
+    def observe(self, seconds_per_forward: float, rows: int, time_model: StepTimeModel,
+                step_seconds: float | None = None, step_tokens: int | None = None) -> None:
+        """step_seconds / step_tokens: the same step's target forward (seconds, batched tokens);
+        without them the target side is the model's t(rows)."""
         if seconds_per_forward <= 0 or rows < 1:
             return
-        ratio = seconds_per_forward / time_model.predict(rows)
-        self.ratio = ratio if not self.observations else self.ratio + self.ema * (ratio - self.ratio)
+        target = time_model.predict(rows)
+        if step_seconds and step_seconds > 0 and step_tokens:
+            target = step_seconds * target / time_model.predict(step_tokens)
+        self._recent.append(seconds_per_forward / target)
+        self.ratio = statistics.median(self._recent)
         self.observations += 1
 
     def predict(self, rows: int, time_model: StepTimeModel) -> float:
