@@ -62,6 +62,9 @@ def command(
     speculative_model: str = typer.Option(None, "--speculative-model", help="draft: the draft model (name or path)."),
     speculative_quantization: str = typer.Option("none", "--speculative-quantization",
                                                  help="draft: its linear method (none, int8, fp8)."),
+    speculative_draft_vocab_size: int = typer.Option(None, "--speculative-draft-vocab-size",
+                                                     help="draft: its LM head covers token ids < N only "
+                                                          "(FR-Spec; default: the whole vocabulary)."),
     dtype: str = typer.Option("auto", "--dtype", help="Target (and draft) dtype: auto (as pdserve serve: bf16 "
                                                       "with native bf16), float32 or bfloat16."),
 ) -> None:
@@ -88,16 +91,25 @@ def command(
     tdtype = getattr(torch, dtype)
     runner, runner_spec = (ModelRunner(model, block_size=16, num_blocks=1024, dtype=tdtype) for _ in range(2))
     tok = load_tokenizer(runner.model_config.path)
+    if speculative_draft_vocab_size is not None and (flags.method != "draft" or speculative_draft_vocab_size < 1):
+        raise UserError(f"--speculative-draft-vocab-size needs --speculative-method draft and must be >= 1, "
+                        f"got {speculative_draft_vocab_size}")
     spec = SpeculativeConfig(flags.method, num_speculative_tokens, spec_ngram_max, spec_ngram_min, model=flags.model,
-                             quantization=flags.quantization, adaptive=adaptive)
+                             quantization=flags.quantization, adaptive=adaptive,
+                             draft_vocab_size=speculative_draft_vocab_size)
     draft = None if spec.method != "draft" else ModelRunner(spec.model, block_size=16, num_blocks=1024, dtype=tdtype,
                                                             quantization=spec.quantization)
+    if draft is not None and spec.draft_vocab_size is not None:  # before its step is timed (the engine would do it)
+        from engine.spec_decode.draft_vocab import restrict_lm_head
+
+        restrict_lm_head(draft.model, spec.draft_vocab_size)
     step_cost = None
     if draft is not None:
         target_ms, draft_ms = _decode_step_ms(runner), _decode_step_ms(draft)
         step_cost = {"target_ms": target_ms, "draft_ms": draft_ms, "draft_target_ratio": draft_ms / target_ms}
+        vocab = "" if spec.draft_vocab_size is None else f", head {spec.draft_vocab_size} ids"
         print(f"decode step alone (batch 1, 256-token context): target {target_ms:.2f} ms, draft "
-              f"({spec.model}, {spec.quantization}) {draft_ms:.2f} ms, ratio {draft_ms / target_ms:.2f}", flush=True)
+              f"({spec.model}, {spec.quantization}{vocab}) {draft_ms:.2f} ms, ratio {draft_ms / target_ms:.2f}", flush=True)
     budget = max_num_batched_tokens
     cells = []
     for name in [d.strip() for d in datasets.split(",") if d.strip()]:
@@ -125,7 +137,8 @@ def command(
                                     "max_num_batched_tokens": budget, "ngram": [spec.ngram_min, spec.ngram_max],
                                     "num_speculative_tokens": num_speculative_tokens, "adaptive": adaptive,
                                     "dtype": dtype, "speculative_method": spec.method, "speculative_model": spec.model,
-                                    "speculative_quantization": spec.quantization, "step_cost": step_cost,
+                                    "speculative_quantization": spec.quantization,
+                                    "speculative_draft_vocab_size": spec.draft_vocab_size, "step_cost": step_cost,
                                     "cells": cells}, indent=1) + "\n")
     print(f"wrote {json_out}")
 

@@ -115,7 +115,7 @@ class LLMEngine:
                                                        # the target's dtype (config.dtype may be "auto")
                                                        dtype=self.runner.dtype, device=config.device,
                                                        quantization=spec.quantization)
-            proposer = DraftModelProposer(draft_runner, self.model_config.vocab_size)
+            proposer = DraftModelProposer(draft_runner, self.model_config.vocab_size, spec.draft_vocab_size)
         return Speculator(spec, self.scheduler.max_model_len, proposer)
 
     def _release_spec(self, request_id: str) -> None:

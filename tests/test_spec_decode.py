@@ -206,6 +206,24 @@ def test_rejection_sampler_preserves_the_target_distribution(k):
     assert torch.equal(again[1], tokens)
 
 
+def test_rejection_sampler_is_exact_with_a_draft_over_part_of_the_vocabulary():
+    """A reduced-vocabulary draft (engine/spec_decode/draft_vocab.py): q is zero outside token
+    ids < 4, where p still has mass; the residual max(0, p - q) supplies those tokens and every
+    position still follows p (a sampler that resamples from p after a rejection does not)."""
+    k = 2
+    p, q = _fixed_p_q(k)
+    q[:, 4:] = 0
+    q = q / q.sum(-1, keepdim=True)
+    num_accepted, tokens = _run_rejection(p, q, seed=4)
+    for j in range(k + 1):
+        counts = _position_counts(num_accepted, tokens, j)
+        assert counts.sum() > 5000 and counts[4:].sum() > 0
+        assert _chi2(counts, p[j]) < CHI2_CRIT_9DOF_P001, f"position {j}"
+    assert (tokens[num_accepted > 0, 0] < 4).all()  # accepted drafts come from q's support
+    wrong_acc, wrong_tokens = _run_rejection(p, q, seed=4, sampler=_wrong_sampler)
+    assert _chi2(_position_counts(wrong_acc, wrong_tokens, 0), p[0]) > 10 * CHI2_CRIT_9DOF_P001
+
+
 def test_rejection_sampler_accepts_everything_when_draft_equals_target():
     p, _ = _fixed_p_q(2)
     num_accepted, _ = _run_rejection(p, p[:2].clone(), seed=2)

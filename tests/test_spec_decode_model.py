@@ -181,3 +181,34 @@ def test_self_draft_accepts_everything_and_abort_frees_draft_blocks(runner, draf
     eng.abort("x")
     assert draft_bm.num_used_blocks == 0 and eng.block_manager.num_used_blocks == 0
     draft_bm.check_invariants()
+
+
+def test_int8_draft_with_a_reduced_vocabulary_keeps_greedy_output(model_path, runner, tokenizer, prompts,
+                                                                  greedy_reference):
+    """The int8 self-draft with its LM head cut to token ids < 8192 (FR-Spec,
+    engine/spec_decode/draft_vocab.py): every draft is below 8192, most are accepted, and greedy
+    output is the plain greedy output (the rejected drafts are the target's own tokens past 8192)."""
+    from engine.model_runner import ModelRunner
+
+    n = 8192
+    small = ModelRunner(model_path, block_size=16, num_blocks=200, quantization="int8")
+    cfg = SpeculativeConfig(method="draft", model="self", quantization="int8", num_speculative_tokens=3,
+                            adaptive=False, draft_vocab_size=n)
+    eng = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=600), speculative=cfg), runner=runner,
+                    tokenizer=tokenizer, draft_runner=small)
+    assert small.model.head_method.out_features == n
+    proposer, proposed = eng.speculator.proposer, []
+    propose = proposer.propose_batch
+
+    def recording(requests, ks):
+        drafts = propose(requests, ks)
+        proposed.extend(t for d in drafts.values() for t in d)
+        return drafts
+
+    proposer.propose_batch = recording
+    outs = run_to_completion(eng, prompts[:3], GREEDY)
+    assert any(t >= n for ref, _ in greedy_reference[:3] for t in ref)  # the target does emit ids the draft cannot
+    assert_same_tokens([o.token_ids for o in outs], greedy_reference[:3])
+    st = eng.stats()
+    assert proposed and max(proposed) < n and len(proposed) == st.spec_num_draft_tokens
+    assert st.spec_num_accepted_tokens > 0.5 * st.spec_num_draft_tokens

@@ -18,6 +18,8 @@ class SpeculativeConfig:
     model / quantization: the draft model and its linear method (method "draft").
     adaptive: choose k per request from its acceptance rate and the measured step-time model
         (engine/spec_decode/adaptive.py); False = always propose up to k_max.
+    draft_vocab_size: method "draft": the draft's LM head covers token ids < N only
+        (engine/spec_decode/draft_vocab.py); None = the whole vocabulary.
     """
 
     method: Method = "ngram"
@@ -27,6 +29,7 @@ class SpeculativeConfig:
     model: str | None = None
     quantization: str = "none"
     adaptive: bool = True
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft"):
@@ -38,13 +41,16 @@ class SpeculativeConfig:
             raise ValueError(f"need 1 <= spec ngram min <= spec ngram max, got {self.ngram_min}, {self.ngram_max}")
         if self.method == "draft" and not self.model:
             raise ValueError("speculative method draft needs a speculative model")
+        if self.draft_vocab_size is not None and (self.method != "draft" or self.draft_vocab_size < 1):
+            raise ValueError(f"draft_vocab_size is for method draft and must be >= 1, got {self.draft_vocab_size}")
 
     def compat_descriptor(self) -> str:
         """What a prefill/decode pair must agree on (method, draft identity, k), as one string.
         Used in the KV-transfer compatibility key (kv_transfer/base.py)."""
         if self.method == "ngram":
             return f"ngram:k={self.num_speculative_tokens}:n={self.ngram_min}-{self.ngram_max}"
-        return f"draft:{self.model}:{self.quantization}:k={self.num_speculative_tokens}"
+        vocab = "" if self.draft_vocab_size is None else f":vocab={self.draft_vocab_size}"
+        return f"draft:{self.model}:{self.quantization}{vocab}:k={self.num_speculative_tokens}"
 
 
 def compat_descriptor(config: SpeculativeConfig | None) -> str:

@@ -36,15 +36,21 @@ def common_prefix(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
 
 
 class DraftModelProposer:
-    """runner: the draft's engine.model_runner.ModelRunner (its own cache). Raises ValueError if
-    its vocabulary differs from the target's (target_vocab_size)."""
+    """runner: the draft's engine.model_runner.ModelRunner (its own cache). draft_vocab_size: N
+    restricts the draft's LM head to token ids < N (engine/spec_decode/draft_vocab.py; None: the
+    whole vocabulary). Raises ValueError if its vocabulary differs from the target's
+    (target_vocab_size) or N is outside it."""
 
     is_free = False
 
-    def __init__(self, runner, target_vocab_size: int) -> None:
+    def __init__(self, runner, target_vocab_size: int, draft_vocab_size: int | None = None) -> None:
         if runner.model_config.vocab_size != target_vocab_size:
             raise ValueError(f"speculative model vocabulary {runner.model_config.vocab_size} != target's "
                              f"{target_vocab_size}: a draft model needs the target's tokenizer")
+        if draft_vocab_size is not None:
+            from engine.spec_decode.draft_vocab import restrict_lm_head
+
+            restrict_lm_head(runner.model, draft_vocab_size)
         self.runner = runner
         self.bm = BlockManager(runner.num_blocks, runner.block_size, watermark=0.0, enable_prefix_caching=False)
         self._written: dict[str, list[int]] = {}
