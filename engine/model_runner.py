@@ -149,17 +149,27 @@ class ModelRunner:
                                        groups=getattr(ops, "metadata_groups", "all"))
         return self.model(input_ids, positions, self.kv_cache, meta, logits_indices, ops, layer_hook)
 
-    def _flatten(self, chunks: Sequence[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        ids: list[int] = []
+    def _flatten(self, chunks: Sequence[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """input_ids [T], positions [T] int64 and logits_indices [L] int64, or None when every row
+        asks for its logits (decode: the model then skips the row gather). Built as one Python
+        list and one tensor, split into views: one list-to-tensor copy a step instead of three."""
+        flat: list[int] = []
         positions: list[int] = []
         logits_indices: list[int] = []
         for c in chunks:
-            offset = len(ids)
-            ids.extend(c.token_ids)
+            offset = len(flat)
+            flat.extend(c.token_ids)
             positions.extend(range(c.start_pos, c.seq_len))
             logits_indices.extend(range(offset + c.num_tokens - c.num_logits, offset + c.num_tokens))
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.device)  # noqa: E731
-        return as_tensor(ids), as_tensor(positions), as_tensor(logits_indices)
+        num_tokens, every_row = len(flat), len(logits_indices) == len(flat)
+        flat.extend(positions)
+        if not every_row:
+            flat.extend(logits_indices)
+        packed = torch.tensor(flat, dtype=torch.int64).to(self.device)
+        if every_row:
+            ids, pos = packed.split([num_tokens, num_tokens])
+            return ids, pos, None
+        return packed.split([num_tokens, num_tokens, len(logits_indices)])
 
     def _check(self, chunks: Sequence[SeqChunk]) -> None:
         if not chunks:

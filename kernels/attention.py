@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Literal, Protocol, Sequence
 
 import torch
@@ -101,28 +102,54 @@ class AttentionMetadata:
 
         block_tables[b] must cover ``start_pos[b] + query_lens[b]`` tokens (checked by the caller).
         """
-        start = torch.tensor(start_pos, dtype=torch.int64)
-        qlen = torch.tensor(query_lens, dtype=torch.int64)
-        seq_lens = start + qlen
-        max_blocks = -(-int(seq_lens.max()) // block_size)
-        table = torch.zeros(len(query_lens), max_blocks, dtype=torch.int64)
-        for b, bt in enumerate(block_tables):
-            n = min(len(bt), max_blocks)
-            table[b, :n] = torch.as_tensor(list(bt[:n]), dtype=torch.int64)
-        first = torch.cumsum(qlen, 0) - qlen
-        seq_idx = torch.repeat_interleave(torch.arange(len(query_lens)), qlen)              # [T]
-        positions = start[seq_idx] + torch.arange(int(qlen.sum())) - first[seq_idx]
-        slot_mapping = table[seq_idx, positions // block_size] * block_size + positions % block_size
-        subsets = _group_subsets(query_lens, seq_lens, group_by_length, groups)
-        covers_all = len(subsets) == 1 and len(subsets[0]) == len(query_lens)
-        built = tuple(_group(subset, start, qlen, first, table, block_size, covers_all, device, dtype)
-                      for subset in subsets)
-        return cls(slot_mapping=slot_mapping.to(device), seq_lens=seq_lens.to(device),
-                   query_start_loc=torch.cat([first, qlen.sum().view(1)]).to(device),
-                   block_tables=table.to(device), groups=built)
+        # The four tensors are built in Python and made one int64 tensor (split into views): at
+        # decode sizes the per-forward cost is then one list-to-tensor copy, not ~25 small torch
+        # ops (~100 us a step at batch 16 on these CPUs).
+        num_seqs = len(query_lens)
+        lens = [s + q for s, q in zip(start_pos, query_lens)]
+        max_blocks = -(-max(lens) // block_size)
+        flat: list[int] = []                                   # slot_mapping | seq_lens | query_start_loc | tables
+        for s, q, bt in zip(start_pos, query_lens, block_tables):
+            if q == 1:                                         # a decode row
+                flat.append(bt[s // block_size] * block_size + s % block_size)
+                continue
+            p, stop = s, s + q
+            while p < stop:                                    # block by block: one range each
+                blk, off = divmod(p, block_size)
+                n = min(block_size - off, stop - p)
+                base = bt[blk] * block_size + off
+                flat.extend(range(base, base + n))
+                p += n
+        num_tokens = len(flat)
+        flat.extend(lens)
+        flat.extend(accumulate(query_lens, initial=0))
+        for bt in block_tables:
+            row = list(bt[:max_blocks])
+            flat.extend(row)
+            if len(row) < max_blocks:
+                flat.extend([0] * (max_blocks - len(row)))
+        packed = torch.tensor(flat, dtype=torch.int64)
+        slot_mapping, seq_lens, query_start_loc, table = packed.split(
+            [num_tokens, num_seqs, num_seqs + 1, num_seqs * max_blocks])
+        table = table.view(num_seqs, max_blocks)
+        subsets = _group_subsets(query_lens, lens, group_by_length, groups)
+        built: tuple[AttentionGroup, ...] = ()
+        if subsets:
+            start = torch.tensor(start_pos, dtype=torch.int64)
+            qlen = torch.tensor(query_lens, dtype=torch.int64)
+            covers_all = len(subsets) == 1 and len(subsets[0]) == num_seqs
+            built = tuple(_group(subset, start, qlen, query_start_loc[:-1], table, block_size, covers_all, device,
+                                 dtype) for subset in subsets)
+        on_device = packed.to(device)
+        if on_device is not packed:   # one copy to the device, then views of it
+            slot_mapping, seq_lens, query_start_loc, table = on_device.split(
+                [num_tokens, num_seqs, num_seqs + 1, num_seqs * max_blocks])
+            table = table.view(num_seqs, max_blocks)
+        return cls(slot_mapping=slot_mapping, seq_lens=seq_lens, query_start_loc=query_start_loc,
+                   block_tables=table, groups=built)
 
 
-def _group_subsets(query_lens: Sequence[int], seq_lens: torch.Tensor, group_by_length: bool,
+def _group_subsets(query_lens: Sequence[int], seq_lens: Sequence[int], group_by_length: bool,
                    groups: GroupsNeeded) -> list[list[int]]:
     """The sequences of each reference group to build (see AttentionMetadata.build)."""
     if groups not in ("all", "long", "none"):
@@ -133,8 +160,7 @@ def _group_subsets(query_lens: Sequence[int], seq_lens: torch.Tensor, group_by_l
     if groups == "long":
         return long
     short = [b for b, q in enumerate(query_lens) if q <= MAX_PADDED_QUERY_LEN]
-    lens = seq_lens.tolist()
-    shorts = partition_by_length(short, [lens[b] for b in short]) if group_by_length else [short] if short else []
+    shorts = partition_by_length(short, [seq_lens[b] for b in short]) if group_by_length else [short] if short else []
     return shorts + long
 
 

@@ -174,9 +174,10 @@ class LlamaForCausalLM(nn.Module):
         self.head_method: nn.Module | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
-                meta: AttentionMetadata, logits_indices: torch.Tensor, ops: AttentionBackend,
+                meta: AttentionMetadata, logits_indices: torch.Tensor | None, ops: AttentionBackend,
                 layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
-        """input_ids, positions [T] int64 -> logits [len(logits_indices), vocab] float32.
+        """input_ids, positions [T] int64 -> logits [len(logits_indices), vocab] float32
+        (logits_indices [L] int64 rows of the batch; None: every row, in order).
 
         Writes every token's K/V into ``kv_cache`` and calls ``layer_hook(l)`` after layer l.
         """
@@ -188,8 +189,11 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, cos, sin, kv_cache.key(l), kv_cache.value(l), meta, ops, lops)
             if layer_hook is not None:
                 layer_hook(l)
-        x = residual.index_select(0, logits_indices) + x.index_select(0, logits_indices)
-        x = self.model.norm(x, lops)
+        norm = self.model.norm
+        if logits_indices is None:   # every row: the last residual add fused into the final norm
+            x = lops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        else:
+            x = norm(residual.index_select(0, logits_indices) + x.index_select(0, logits_indices), lops)
         if self.head_method is not None:
             return self.head_method(x).float()
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
