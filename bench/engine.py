@@ -17,8 +17,11 @@ For each thread count (``--threads``, default 1 and all available cores) it meas
   takes over once a batch makes the step compute-bound. The JSON keeps the weights-only
   figure beside it (``weights_floor_ms``) and both byte counts.
 
-Timing is wall clock, best of --repeats after a warm-up, the dtypes alternating repeat by
-repeat (a shared machine's load then lands on both alike); ``uptime``'s load is printed before
+Timing is wall clock, the dtypes alternating repeat by repeat (a shared machine's load then
+lands on both alike). Decode is timed in its steady state: DECODE_WARMUP steps per dtype first,
+then each repeat runs DECODE_RUN consecutive steps of one dtype (the first step after another
+dtype's finds its caches and allocator state evicted), best (and median) over all timed steps;
+prefill is best of --repeats / 2 after one warm-up; ``uptime``'s load is printed before
 and after. ``--vs-transformers`` adds transformers' fp32 forward on the same weights.
 Prints a table and writes JSON (``--json``). Speed is measured here, never in tests.
 """
@@ -35,6 +38,8 @@ import typer
 
 from engine.errors import UserError
 
+DECODE_WARMUP = 3   # untimed decode steps per dtype and batch size before the timed ones
+DECODE_RUN = 3      # consecutive timed steps of one dtype per repeat
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared/data beside the repo
 _SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -78,7 +83,8 @@ def command(
         "attention_backend": getattr(first.ops, "name", type(first.ops).__name__),
         "weight_bytes": {n: _weight_bytes(r) for n, r in runners.items()},
         "linear_kernels": {n: kernel_summary(r.model) for n, r in runners.items()},
-        "timing": "wall clock, best of repeats, dtypes alternating",
+        "timing": f"wall clock, dtypes alternating; decode: {DECODE_WARMUP} warm-up steps, then best (and median) "
+                  f"of repeats x {DECODE_RUN} consecutive steps per dtype",
         "runs": [],
     }
     for t in counts:
@@ -187,7 +193,7 @@ def _load_runners(model: str, dtypes: list[str], prompt_tokens: int, context: in
     from engine.model_loader import load_tokenizer
     from engine.model_runner import ModelRunner
 
-    per_seq = -(-(context + 2 * steps + 4) // 16)
+    per_seq = -(-(context + _decode_steps(steps) + 4) // 16)
     blocks = max_batch * per_seq + -(-prompt_tokens // 16) + 1
     runners = {n: ModelRunner(model, block_size=16, num_blocks=blocks, dtype=getattr(torch, n)) for n in dtypes}
     cfg = next(iter(runners.values())).model_config
@@ -268,7 +274,7 @@ def _prefill(runners: dict, prompt: list[int], floors: dict, repeats: int, hf) -
                 hf(x, attention_mask=torch.ones_like(x), use_cache=True, logits_to_keep=1)
 
         fns["transformers_fp32"] = hf_prefill
-    best = _alternating(fns, repeats)
+    best, _ = _alternating(fns, repeats)
     cfg = next(iter(runners.values())).model_config
     flops = _prefill_flops(cfg, len(prompt))
     out = {"prompt_tokens": len(prompt), "flops": flops}
@@ -284,7 +290,7 @@ def _decode(runners: dict, tokens: list[int], context: int, batch: int, steps: i
     fns = {n: _decode_step(r, tokens, context, batch, steps) for n, r in runners.items()}
     if hf is not None:
         fns["transformers_fp32"] = _hf_decode_step(hf, tokens, context, batch)
-    best = _alternating(fns, steps)
+    best, median = _alternating(fns, steps, warmup=DECODE_WARMUP, run=DECODE_RUN)
     first = next(iter(runners.values()))
     cfg = first.model_config
     flops = _decode_flops(cfg, batch, context)
@@ -295,7 +301,8 @@ def _decode(runners: dict, tokens: list[int], context: int, batch: int, steps: i
         peak = floors["gemm_flops"].get(name, floors["gemm_flops"].get("float32"))
         kv = _kv_bytes_read(runner, batch, context)
         floor = decode_floor(weight, kv, flops, floors["memcpy_bytes_per_s"], peak)
-        out[name] = {"ms_per_step": 1000 * t, "floor_ms": 1000 * floor["floor_s"], "bound": floor["bound"],
+        out[name] = {"ms_per_step": 1000 * t, "ms_per_step_median": 1000 * median[name],
+                     "floor_ms": 1000 * floor["floor_s"], "bound": floor["bound"],
                      "fraction_of_floor": floor["floor_s"] / t, "weights_floor_ms": 1000 * floor["weights_s"],
                      "weight_bytes": weight, "kv_bytes_read": kv}
     return out
@@ -320,7 +327,7 @@ def _decode_step(runner, tokens: list[int], context: int, batch: int, steps: int
     from engine.batch import SeqChunk
     from kernels.layer_ops import greedy_argmax
 
-    per_seq = -(-(context + 2 * steps + 4) // runner.block_size)
+    per_seq = -(-(context + _decode_steps(steps) + 4) // runner.block_size)
     tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
     prompts = [tokens[b: b + context] for b in range(batch)]  # different contents, same length
     runner.forward([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)])
@@ -352,17 +359,28 @@ def _hf_decode_step(hf, tokens: list[int], context: int, batch: int) -> Callable
     return step
 
 
-def _alternating(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Best wall seconds of each, after one warm-up each, the functions taking turns."""
+def _decode_steps(repeats: int) -> int:
+    """Decode steps each runner takes at one batch size: the warm-up, then repeats x DECODE_RUN."""
+    return DECODE_WARMUP + repeats * DECODE_RUN
+
+
+def _alternating(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
+                 run: int = 1) -> tuple[dict[str, float], dict[str, float]]:
+    """Best and median wall seconds of each function: ``warmup`` untimed calls each, then
+    ``repeats`` rounds in which the functions take turns, each timed over ``run`` consecutive calls."""
     for fn in fns.values():
-        fn()
-    best = {name: float("inf") for name in fns}
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t)
-    return best
+            for _ in range(run):
+                t = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t)
+    best = {name: min(ts) for name, ts in times.items()}
+    median = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    return best, median
 
 
 # ---- the table -------------------------------------------------------------------------------
