@@ -99,11 +99,7 @@ def build_app(service: RouterService, metrics_registry=None, api_key: str | None
 
     @app.post("/detokenize")
     async def detokenize(body: DecodeTokensRequest) -> dict:
-        service.check_model(body.model)
-        vocab = service.tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise invalid("tokens", f"token ids must be in [0, {vocab})")
-        return {"prompt": service.tokenizer.decode(body.tokens)}
+        return {"prompt": await service.detokenize(body.model, body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -32,8 +32,9 @@ from router.tokenizer import RouterTokenizer
 from router.validation import validate_model
 
 DEFAULT_DEADLINE_S = 600.0
-# Texts up to this many characters are tokenized on the event loop itself (at ~0.8 us per character,
-# at most ~2 ms); a longer one on the loop's executor, where the thread hop's cost is small beside it.
+# Texts up to this many characters (or lists of as many token ids) are tokenized (detokenized) on the
+# event loop itself (~0.8 us per character or id: at most ~2 ms); longer ones on the loop's executor,
+# where the thread hop's cost is small beside them.
 INLINE_TOKENIZE_CHARS = 2048
 
 
@@ -187,6 +188,23 @@ class RouterService:
             raise InvalidRequest(field, f"{chars} characters cannot fit the context of {self.max_model_len} tokens "
                                         f"(at most {limit} characters); shorten the prompt")
 
+    async def detokenize(self, model: str, token_ids: list[int]) -> str:
+        """The text of token ids (special tokens skipped); ServiceError(INVALID_ARGUMENT) naming
+        `model` or `tokens`. A list over INLINE_TOKENIZE_CHARS ids is checked and decoded on the
+        loop's executor (the body limit lets through millions of ids: ~0.9 us each)."""
+        self.check_model(model)
+        vocab = self.tokenizer.vocab_size
+
+        def run() -> str:
+            if any(not 0 <= t < vocab for t in token_ids):
+                raise InvalidRequest("tokens", f"token ids must be in [0, {vocab})")
+            return self.tokenizer.decode_releasing_gil(token_ids)
+
+        try:
+            return await _off_loop(len(token_ids), run)
+        except InvalidRequest as e:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+
     def check_model(self, model: str) -> None:
         """Raises ServiceError(INVALID_ARGUMENT) unless model is empty or the served model id."""
         try:
@@ -318,7 +336,8 @@ class RouterService:
 
 async def _off_loop(chars: int, fn, *args):
     """fn(*args), on the running loop's default executor when the text has more than
-    INLINE_TOKENIZE_CHARS characters (fn must release the GIL for that to help: RouterTokenizer's do)."""
+    INLINE_TOKENIZE_CHARS characters (or ids); fn must release the GIL for most of its work for that
+    to help (RouterTokenizer's encode, encode_chat and decode_releasing_gil do)."""
     if chars <= INLINE_TOKENIZE_CHARS:
         return fn(*args)
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)

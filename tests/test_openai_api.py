@@ -281,7 +281,8 @@ def test_concurrent_requests_that_share_a_client_id_each_complete(serving):
 
 def test_detokenize_refuses_ids_outside_the_vocabulary(serving):
     base = serving.http_base_url.removesuffix("/v1")
-    for tokens in ([-1], [10**12], [49152]):  # OverflowError (500) and "" (200) before
+    for tokens in ([-1], [10**12], [49152], [1] * 3000 + [49152]):  # OverflowError (500), "" (200) before; the
+        # last one is checked off the event loop (router/service.py INLINE_TOKENIZE_CHARS)
         r = httpx.post(f"{base}/detokenize", json={"tokens": tokens})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", (tokens, r.text)
 
@@ -295,12 +296,13 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(ser
     assert r.status_code == 400 and "cannot fit the context" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("kind", ["prompt", "chat"])
+@pytest.mark.parametrize("kind", ["prompt", "chat", "detokenize"])
 def test_a_long_tokenization_leaves_the_router_loop_running(serving, monkeypatch, kind):
-    """A prompt just under the character bound took the event loop for its whole tokenization
-    (tokenizers' encode holds the GIL): nothing else ran meanwhile. Order of events: the real
-    tokenizer's call is bracketed by 'start'/'end' (from the thread it runs on) and a task on the
-    router's loop logs 'tick' at every turn: some tick must land between start and end."""
+    """A prompt just under the character bound (or /detokenize of a long id list) took the event
+    loop for its whole (de)tokenization (tokenizers' encode/decode hold the GIL): nothing else ran
+    meanwhile. Order of events: the real tokenizer's call is bracketed by 'start'/'end' (from the
+    thread it runs on) and a task on the router's loop logs 'tick' at every turn: some tick must
+    land between start and end."""
     import asyncio
 
     from proto.chat import ChatMessage
@@ -309,8 +311,9 @@ def test_a_long_tokenization_leaves_the_router_loop_running(serving, monkeypatch
     tok = svc.tokenizer
     limit = svc.max_model_len * tok.max_chars_per_token
     text = ("The quick brown fox jumps over the lazy dog. " * (limit // 45 + 1))[:limit - 200]
+    many_ids = [i % 40000 + 100 for i in range(200_000)]
     events: list[str] = []
-    name = "encode" if kind == "prompt" else "encode_chat"
+    name = {"prompt": "encode", "chat": "encode_chat", "detokenize": "decode_releasing_gil"}[kind]
     real = getattr(tok, name)
 
     def traced(*args):
@@ -334,13 +337,18 @@ def test_a_long_tokenization_leaves_the_router_loop_running(serving, monkeypatch
         try:
             if kind == "prompt":
                 return await svc.tokenize(SERVED, text)
+            if kind == "detokenize":
+                return await svc.detokenize(SERVED, many_ids)
             return await svc.tokenize(SERVED, chat=[ChatMessage("user", text)])
         finally:
             done = True
             await task
 
-    _, ids = serving.call(run())
-    assert len(ids) > svc.max_model_len  # real work: longer than any context this server takes
+    out = serving.call(run())
+    if kind == "detokenize":
+        assert len(out) > len(many_ids)  # real work: the text of 200k ids
+    else:
+        assert len(out[1]) > svc.max_model_len  # real work: longer than any context this server takes
     start, end = events.index("start"), events.index("end")
     assert "tick" in events[start:end], f"no loop turn during {end - start - 1} events of tokenization"
 
