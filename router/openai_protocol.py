@@ -224,8 +224,10 @@ def _content_text(m: ChatMessageIn, i: int) -> str:
         return m.content
     texts = []
     for j, part in enumerate(m.content):
-        if part.type != "text" or part.text is None:
+        if part.type != "text":
             raise invalid(f"messages.{i}.content.{j}.type", f"only text parts are supported, got {part.type!r}")
+        if part.text is None:  # was "only text parts are supported, got 'text'": name the missing field
+            raise invalid(f"messages.{i}.content.{j}.text", "a text part needs a string text")
         texts.append(part.text)
     return "".join(texts)
 

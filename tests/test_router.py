@@ -238,7 +238,10 @@ def test_chat_content_is_required_and_roles_are_the_templates():
     """A user message with content null was an empty turn; role "wizard" a turn the model never saw."""
     from pydantic import ValidationError
 
+    import grpc
+
     from proto.chat import ChatMessage, check_roles
+    from router.errors import ServiceError
     from router.openai_protocol import ChatCompletionRequest, describe_validation_error
 
     for content in ({"content": None}, {}):
@@ -251,6 +254,15 @@ def test_chat_content_is_required_and_roles_are_the_templates():
         with pytest.raises(InvalidRequest, match=r"messages\.1\.role: must be one of system, user, assistant") as e:
             check_roles([ChatMessage("user", "x"), ChatMessage(role, "x")])
         assert e.value.field == "messages.1.role"
+    # a text part without its text names .text (it said "only text parts are supported, got 'text'")
+    for part, field in (({"type": "text"}, "messages.0.content.1.text"),
+                        ({"type": "text", "text": None}, "messages.0.content.1.text"),
+                        ({"type": "image_url", "image_url": {}}, "messages.0.content.1.type")):
+        req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "a"}, part]}]})
+        with pytest.raises(ServiceError, match=rf"^{field}: ") as e:
+            req.chat()
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_send_json_is_one_complete_json_response():
