@@ -19,6 +19,7 @@ each sees the others' load through the workers' Stats, polled every ``WorkerPool
 from __future__ import annotations
 
 import logging
+import math
 import random
 from dataclasses import dataclass
 
@@ -50,10 +51,11 @@ class RoutingConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"--router-policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if self.temperature < 0:
-            raise ValueError(f"--router-temperature must be >= 0, got {self.temperature}")
-        if self.overlap_weight < 0:
-            raise ValueError(f"--kv-overlap-score-weight must be >= 0, got {self.overlap_weight}")
+        # NaN compares False with everything, so `< 0` let it through (and inf: a NaN softmax / cost)
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"--router-temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 <= self.overlap_weight < math.inf:
+            raise ValueError(f"--kv-overlap-score-weight must be a finite number >= 0, got {self.overlap_weight}")
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -66,6 +66,11 @@ def test_unknown_command_exit_2(argv, capsys):
     (["serve", "--registry", "http://h:1/0"], "--registry"),
     (["router", "--registry", "redis://h:1/x"], "--registry"),
     (["serve", "--kv-overlap-score-weight", "-1"], "--kv-overlap-score-weight"),
+    # NaN passed the `< 0` checks and the CLI started Ray
+    (["serve", "--router-temperature", "nan"], "--router-temperature must be a finite number >= 0, got nan"),
+    (["serve", "--router-temperature", "inf"], "--router-temperature"),
+    (["serve", "--kv-overlap-score-weight", "nan"], "--kv-overlap-score-weight must be a finite number >= 0"),
+    (["serve", "--kv-overlap-score-weight", "inf"], "--kv-overlap-score-weight"),
     (["serve", "nosuchmodel"], "unknown model 'nosuchmodel'"),  # the workers would run here: say it now
     (["serve", "--max-model-len", "100000"], "--max-model-len 100000 exceeds the model's context of 8192"),
     (["serve", "--port", "99999"], "--port"),
