@@ -252,8 +252,8 @@ def _decode_flops(cfg, batch: int, context: int) -> float:
 
 def _kv_bytes_read(runner, batch: int, context: int) -> int:
     """K and V bytes of ``context`` tokens per sequence over every layer: what a decode step at
-    that context reads of the cache (the timed steps read up to 2 x --repeats tokens more, so a
-    floor from this never flatters the measurement)."""
+    that context reads of the cache (the timed steps read up to _decode_steps(--repeats) tokens
+    more, so a floor from this never flatters the measurement)."""
     cfg = runner.model_config
     elt = runner.kv_cache.data.element_size()
     return batch * context * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elt
