@@ -20,6 +20,10 @@ import typer
 
 from engine.errors import UserError
 
+# Upper bound of every seconds option: a gRPC timeout past ~9.2e9 s (int64 nanoseconds) expires at once,
+# so --request-timeout 1e12 (or inf) failed every request DEADLINE_EXCEEDED; a day matches the API's
+# own `timeout` field (0 < timeout <= 86400).
+MAX_SECONDS = 86400.0
 POLICY_HELP = "Worker choice: kv (prefix overlap against load) | load | round-robin."
 TEMPERATURE_HELP = "Softmax temperature of the kv cost (0: lowest cost, ties at random)."
 WEIGHT_HELP = "w of the kv cost: one uncached prefill block counts as w decode blocks."
@@ -119,7 +123,8 @@ def command(
     local_prefill_threshold: int = typer.Option(0, help="Prompts whose uncached part is shorter than this are "
                                                         "prefilled on the decode worker."),
     max_waiting: int = typer.Option(256, help="More waiting requests than this: RESOURCE_EXHAUSTED."),
-    drain_seconds: float = typer.Option(30.0, help="Grace period for in-flight requests at shutdown."),
+    drain_seconds: float = typer.Option(30.0, min=0.0, max=MAX_SECONDS,
+                                        help="Grace period for in-flight requests at shutdown."),
     migration_limit: int = typer.Option(3, min=0, help=MIGRATION_HELP),
     internal_secret_file: Optional[Path] = typer.Option(None, help=SECRET_HELP + " Default: $PDSERVE_INTERNAL_SECRET."),
     tls_cert: Optional[Path] = typer.Option(None, help=TLS_HELP),

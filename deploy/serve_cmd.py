@@ -103,26 +103,26 @@ def command(
                                                         "new random one.", rich_help_panel=CLUSTER),
     max_waiting: int = typer.Option(256, min=0, help="More waiting requests than this: RESOURCE_EXHAUSTED (429).",
                                     rich_help_panel=ROUTER),
-    worker_poll_interval: float = typer.Option(0.2, min=0.01, help="Seconds between the router's polls of the "
+    worker_poll_interval: float = typer.Option(0.2, min=0.01, max=router_cmd.MAX_SECONDS, help="Seconds between the router's polls of the "
                                                "registry and of each worker's load.", rich_help_panel=ROUTER),
-    request_timeout: float = typer.Option(600.0, min=0.001, help="Deadline in seconds of a request that sets none.",
+    request_timeout: float = typer.Option(600.0, min=0.001, max=router_cmd.MAX_SECONDS, help="Deadline in seconds of a request that sets none.",
                                           rich_help_panel=LEASES),
-    reservation_lease: float = typer.Option(120.0, min=0.001, help="Seconds a decode worker keeps blocks reserved "
+    reservation_lease: float = typer.Option(120.0, min=0.001, max=router_cmd.MAX_SECONDS, help="Seconds a decode worker keeps blocks reserved "
                                             "for KV whose Decode never comes.", rich_help_panel=LEASES),
-    hold_lease: float = typer.Option(30.0, min=0.001, help="Seconds a prefill worker holds sent KV blocks "
+    hold_lease: float = typer.Option(30.0, min=0.001, max=router_cmd.MAX_SECONDS, help="Seconds a prefill worker holds sent KV blocks "
                                      "without a Release.", rich_help_panel=LEASES),
-    transfer_timeout: float = typer.Option(30.0, min=0.001, help="Seconds for a prefill worker's KV push to be "
+    transfer_timeout: float = typer.Option(30.0, min=0.001, max=router_cmd.MAX_SECONDS, help="Seconds for a prefill worker's KV push to be "
                                            "confirmed.", rich_help_panel=LEASES),
     prefill_attempts: int = typer.Option(2, min=1, help="Prefill workers tried per request (all before the "
                                          "first token).", rich_help_panel=LEASES),
-    abort_timeout: float = typer.Option(30.0, min=0.001, help="Seconds per Abort / Release call to a worker.",
+    abort_timeout: float = typer.Option(30.0, min=0.001, max=router_cmd.MAX_SECONDS, help="Seconds per Abort / Release call to a worker.",
                                         rich_help_panel=LEASES),
     migration_limit: int = typer.Option(3, min=0, help=router_cmd.MIGRATION_HELP, rich_help_panel=LEASES),
-    worker_rpc_timeout: float = typer.Option(2.0, min=0.001, help="Seconds per Info / Stats call to a worker; "
+    worker_rpc_timeout: float = typer.Option(2.0, min=0.001, max=router_cmd.MAX_SECONDS, help="Seconds per Info / Stats call to a worker; "
                                              "a worker that misses it is suspect (no new requests) until it answers again.", rich_help_panel=LEASES),
-    worker_start_timeout: float = typer.Option(300.0, min=1.0, help="Seconds for every worker to load and serve.",
+    worker_start_timeout: float = typer.Option(300.0, min=1.0, max=router_cmd.MAX_SECONDS, help="Seconds for every worker to load and serve.",
                                                rich_help_panel=LEASES),
-    drain_seconds: float = typer.Option(30.0, min=0.0, help="Grace period for in-flight requests at shutdown.",
+    drain_seconds: float = typer.Option(30.0, min=0.0, max=router_cmd.MAX_SECONDS, help="Grace period for in-flight requests at shutdown.",
                                         rich_help_panel=LEASES),
     registry: str = typer.Option("", help=router_cmd.REGISTRY_HELP, rich_help_panel=CLUSTER),
     router_policy: str = typer.Option("kv", help=router_cmd.POLICY_HELP, rich_help_panel=ROUTER),
@@ -158,7 +158,7 @@ def command(
                                       f"{DEFAULT_SLO}).", rich_help_panel=SCALE, show_default=False),
     profile: Optional[Path] = typer.Option(None, help="Worker profile JSON from `pdserve profile` (needed by "
                                                       "--autoscale).", rich_help_panel=SCALE),
-    planner_interval: Optional[float] = typer.Option(None, min=1.0, help="Seconds between SLA planner decisions "
+    planner_interval: Optional[float] = typer.Option(None, min=1.0, max=router_cmd.MAX_SECONDS, help="Seconds between SLA planner decisions "
                                                      f"(with --autoscale; default {DEFAULT_PLANNER_INTERVAL_S:g}).",
                                                      rich_help_panel=SCALE, show_default=False),
     min_prefill: int = typer.Option(1, min=0, help="Fewest prefill workers the planner keeps.", rich_help_panel=SCALE),

@@ -71,6 +71,12 @@ def test_unknown_command_exit_2(argv, capsys):
     (["serve", "--router-temperature", "inf"], "--router-temperature"),
     (["serve", "--kv-overlap-score-weight", "nan"], "--kv-overlap-score-weight must be a finite number >= 0"),
     (["serve", "--kv-overlap-score-weight", "inf"], "--kv-overlap-score-weight"),
+    # a gRPC timeout past ~9.2e9 s expires at once: every request was DEADLINE_EXCEEDED
+    (["serve", "--request-timeout", "1e12"], "--request-timeout"),
+    (["serve", "--request-timeout", "inf"], "--request-timeout"),
+    (["serve", "--abort-timeout", "1e300"], "--abort-timeout"),
+    (["serve", "--hold-lease", "inf"], "--hold-lease"),
+    (["router", "--registry", "redis://127.0.0.1:1/0", "--drain-seconds", "-1"], "--drain-seconds"),
     (["serve", "nosuchmodel"], "unknown model 'nosuchmodel'"),  # the workers would run here: say it now
     (["serve", "--max-model-len", "100000"], "--max-model-len 100000 exceeds the model's context of 8192"),
     (["serve", "--port", "99999"], "--port"),
