@@ -286,3 +286,34 @@ def test_send_json_is_one_complete_json_response():
     assert headers[b"content-type"] == b"application/json" and headers[b"connection"] == b"close"
     assert int(headers[b"content-length"]) == len(end["body"]) and json.loads(end["body"]) == body
     assert end["type"] == "http.response.body" and not end.get("more_body", False)
+
+
+def test_a_long_conversation_of_empty_messages_is_tokenized_off_the_event_loop():
+    """500k messages with empty contents counted 0 characters, so the router rendered and encoded
+    them (~8 s) on its event loop; each message now counts CHAT_MESSAGE_CHARS for that choice."""
+    import asyncio
+    import threading
+    import types
+
+    from proto.chat import ChatMessage
+    from router.service import CHAT_MESSAGE_CHARS, INLINE_TOKENIZE_CHARS, RouterService
+
+    threads = []
+
+    def encode_chat(chat, add_generation_prompt):
+        threads.append(threading.current_thread())
+        return "", [1]
+
+    def service():
+        s = types.SimpleNamespace(model_id="m", max_model_len=8192,
+                                  tokenizer=types.SimpleNamespace(encode_chat=encode_chat, max_chars_per_token=81))
+        s._check_prompt_chars = lambda field, chars: RouterService._check_prompt_chars(s, field, chars)
+        return s
+
+    async def tokenize(n):
+        return await RouterService.tokenize(service(), "", chat=[ChatMessage("user", "")] * n)
+
+    few = INLINE_TOKENIZE_CHARS // CHAT_MESSAGE_CHARS
+    asyncio.run(tokenize(few))
+    asyncio.run(tokenize(few + 1))
+    assert threads[0] is threading.main_thread() and threads[1] is not threading.main_thread()
