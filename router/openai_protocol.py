@@ -54,20 +54,44 @@ class _Strict(BaseModel):
 
 def _surrogate_path(value: Any, path: tuple[str, ...]) -> tuple[str, ...] | None:
     """The path of the first string (key or value) in a decoded JSON value holding a lone surrogate."""
+    found = _surrogate_at(value)
+    return None if found is None else path + tuple(reversed(found))
+
+
+def _has_surrogate(s: str) -> bool:
+    # UTF-8 encoding fails exactly on surrogates (json.loads joins an escaped pair into one code
+    # point); both calls run in C, a per-character generator cost ~1 us a string
+    if s.isascii():
+        return False
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _surrogate_at(value: Any) -> list[str] | None:
+    # The path comes back reversed and is built only on a hit, and numbers, booleans and null are
+    # skipped without a call: a 16 MiB body of ~3M token ids or ~500k messages took 0.76 s / 1.2 s
+    # of the event loop when every element got a call and a new path tuple.
     if isinstance(value, str):
-        return path if any("\ud800" <= c <= "\udfff" for c in value) else None
+        return [] if _has_surrogate(value) else None
     if isinstance(value, dict):
         for k, v in value.items():
-            if isinstance(k, str) and _surrogate_path(k, ()) is not None:
-                return path + ("<key>",)
-            found = _surrogate_path(v, path + (str(k),))
-            if found is not None:
-                return found
-    if isinstance(value, list):
+            if isinstance(k, str) and _has_surrogate(k):
+                return ["<key>"]
+            if isinstance(v, (str, dict, list)):
+                found = _surrogate_at(v)
+                if found is not None:
+                    found.append(str(k))
+                    return found
+    elif isinstance(value, list):
         for i, v in enumerate(value):
-            found = _surrogate_path(v, path + (str(i),))
-            if found is not None:
-                return found
+            if isinstance(v, (str, dict, list)):
+                found = _surrogate_at(v)
+                if found is not None:
+                    found.append(str(i))
+                    return found
     return None
 
 
