@@ -8,7 +8,8 @@ first alternates; both runners are warmed up on the cell's first prompt). Each
 engine's clock advances only by the duration of its own steps, so both see the same machine
 load (which drifts by 3x within minutes on a shared box) and the ratio is fair.
 Per cell: TPOT p50 (ms, per request (last - first token time) / (tokens - 1), on the engine's
-clock), output tokens/s (tokens / engine clock), acceptance rate (accepted / draft tokens), mean accepted length
+clock), TTFT p50 (ms, first token time - the clock when the request was added; with a draft model
+it includes the draft's prefill of the prompt, engine/spec_decode/draft.py), output tokens/s (tokens / engine clock), acceptance rate (accepted / draft tokens), mean accepted length
 (tokens emitted per verification row = 1 + accepted / rows), and the share of decode rows that
 ran with k >= 1. The speculative counters come from the engine itself (EngineStats), which a
 serving benchmark over HTTP cannot see. The machine's load average is printed beside the
@@ -20,8 +21,9 @@ itself); the draft's and the target's decode-step costs are measured alone befor
 a 256-token context, median of 20 forwards each) and their ratio reported: the ceiling of a
 draft's gain is set by it (with acceptance a and k drafts, one verification emits on average
 (1 - a^(k+1)) / (1 - a) tokens for the cost of 1 + k x ratio target steps). The draft's one-time
-prefill of each prompt (its cache starts empty: in P/D the decode worker recomputes every
-prompt's draft KV the same way) is reported per cell: tokens, seconds and share of the run.
+prefill of each prompt (at the end of the step that sampled the prompt's first token, so in
+TTFT, not TPOT; in P/D the decode worker recomputes every prompt's draft KV the same way) is
+reported per cell: tokens, seconds and share of the run.
 
 Defaults follow ``pdserve serve``: dtype auto, a 128-token step budget (2048 with no decode row).
 
@@ -166,6 +168,7 @@ class _Loop:
         self.pending = list(enumerate(prompts))
         self.conc, self.clock = conc, 0.0
         self.times: dict[str, list[float]] = {}
+        self.arrivals: dict[str, float] = {}
 
     @property
     def done(self) -> bool:
@@ -178,7 +181,7 @@ class _Loop:
         while self.pending and len(s.running) + len(s.waiting) < self.conc:
             i, p = self.pending.pop(0)
             self.eng.add_request(f"r{i}", p, self.params)
-            self.times[f"r{i}"] = []
+            self.times[f"r{i}"], self.arrivals[f"r{i}"] = [], self.clock
         start = time.perf_counter()
         outs = self.eng.step()
         self.clock += time.perf_counter() - start
@@ -194,7 +197,9 @@ class _Loop:
         tpots = [(t[-1] - t[0]) / (len(t) - 1) * 1e3 for t in times.values() if len(t) > 1]
         hist = st.spec_k_histogram
         tokens = sum(len(t) for t in times.values())
-        return {"tpot_p50_ms": statistics.median(tpots), "output_tok_s": tokens / self.clock,
+        ttfts = [(t[0] - self.arrivals[rid]) * 1e3 for rid, t in times.items() if t]
+        return {"tpot_p50_ms": statistics.median(tpots), "ttft_p50_ms": statistics.median(ttfts),
+                "output_tok_s": tokens / self.clock,
                 "output_tokens": tokens, "steps": self.eng.num_steps, "engine_seconds": self.clock,
                 "acceptance_rate": st.spec_num_accepted_tokens / st.spec_num_draft_tokens if st.spec_num_draft_tokens else None,
                 "mean_accepted_length": 1 + st.spec_num_accepted_tokens / st.spec_num_drafts if st.spec_num_drafts else None,
@@ -235,7 +240,8 @@ def _print_row(c: dict) -> None:
     off, on = c["off"], c["on"]
     print(f"{c['dataset']:<9} conc {c['concurrency']:>2} | TPOT p50 ms off {_fmt(off['tpot_p50_ms'], 1):>6} "
           f"on {_fmt(on['tpot_p50_ms'], 1):>6} (x{_fmt(c['tpot_speedup'])}) | tok/s off {_fmt(off['output_tok_s'], 1):>6} "
-          f"on {_fmt(on['output_tok_s'], 1):>6} (x{_fmt(c['throughput_ratio'])}) | accept {_fmt(on['acceptance_rate'])} "
+          f"on {_fmt(on['output_tok_s'], 1):>6} (x{_fmt(c['throughput_ratio'])}) | TTFT p50 ms off "
+          f"{_fmt(off['ttft_p50_ms'], 0)} on {_fmt(on['ttft_p50_ms'], 0)} | accept {_fmt(on['acceptance_rate'])} "
           f"mean len {_fmt(on['mean_accepted_length'])} spec rows {_fmt(on['speculated_row_share'])} "
           + (f"| draft prefill {on['draft_prefill_tokens']} tok {on['draft_prefill_s']:.2f} s "
              f"({on['draft_prefill_s'] / on['engine_seconds']:.0%} of the run) " if "draft_prefill_s" in on else "")

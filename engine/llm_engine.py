@@ -6,6 +6,7 @@
     Sampler.sample(logits, params, per-request generators) -> tokens
         (verification rows: engine/spec_decode/rejection.py:verify_one_hot)
     scheduler.update(plan, result) -> requests with new tokens
+    speculator.prefill_drafts(those)   (a draft model: the prompts whose first token was sampled)
     detokenize (stop strings) -> RequestOutput per request
 
 Without speculation, or when every row's k is 0, a step is exactly the plain decode step: the
@@ -221,6 +222,8 @@ class LLMEngine:
         if spec is not None:
             spec.observe(plan, result, time.perf_counter() - start)
         updated = self.scheduler.update(plan, result)
+        if spec is not None:  # a draft model's prompt KV, before the first token goes out (as the target's)
+            spec.prefill_drafts(updated)
         self.num_steps += 1
         self._sample_kv_metrics()
         return [self._output(req, result.logprobs.get(req.request_id)) for req in updated]

@@ -461,6 +461,28 @@ def test_draft_prefills_a_new_context_once_in_its_own_forward():
     assert proposer.bm.num_used_blocks == 0
 
 
+def test_a_prompt_enters_the_draft_cache_when_its_first_token_is_sampled():
+    """Speculator.prefill_drafts after the step that sampled a request's first token: the draft
+    prefills the prompt then (not in the step-time model's seconds), the first drafted step
+    catches up the one new token only; a request already held, or finished, is skipped."""
+    from engine.spec_decode.draft import DraftModelProposer
+
+    s = make()
+    done = decoding(s, "b", n=8, max_tokens=1)  # finished: no room for a draft
+    r = decoding(s, "a", n=30)
+    runner = _FakeDraftRunner()
+    spec = Speculator(SpeculativeConfig("draft", 2, model="x"), max_model_len=1024,
+                      proposer=DraftModelProposer(runner, VOCAB))
+    spec.prefill_drafts([r, done])
+    assert runner.calls == [[(0, 30, 1)]] and spec.proposer.num_prefill_tokens == 30
+    assert spec.proposer.take_prefill_seconds() == 0.0  # nothing for observe() to take out of a step
+    spec.prefill_drafts([r])
+    assert len(runner.calls) == 1  # once
+    runner.calls.clear()
+    assert spec.drafts(s.running)["a"][0] == 5
+    assert runner.calls[0] == [(30, 1, 1)]  # the first output token only
+
+
 def test_the_step_time_model_learns_the_target_step_without_the_drafting():
     from engine.spec_decode.draft import DraftModelProposer
 

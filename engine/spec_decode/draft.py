@@ -6,11 +6,14 @@ are allocated when it first drafts and freed with it (``release``, called on fin
 and ``forget`` for anything no longer running). What the draft cache holds is tracked as the
 tokens whose K/V it computed: after a verification, the longest common prefix of those and the
 request's tokens is still valid, the rest is recomputed (overwritten) by the next catch-up chunk.
-So the draft's prefill of a prompt whose KV came from a prefill worker (P/D) is recomputed on
-the decode side, once, at the request's first drafted step, in a forward of its own (counted in
-``num_prefill_tokens``, timed in ``prefill_seconds``: a one-time prefill cost that the step-time
-model of speculation does not learn as the cost of drafting); nothing is shipped. A request
-that never drafts (k = 0 under load) never pays it.
+A prompt prefilled by this engine's target enters the draft cache at the end of the step that
+sampled its first token (``prefill``, called by the engine through Speculator.prefill_drafts:
+the draft's share of processing the prompt, before the first token is returned, as the target's
+prefill is). Any other context new to the draft cache, e.g. a prompt whose KV came from a
+prefill worker (P/D), is recomputed on the decode side, once, at the request's first drafted
+step, in a forward of its own (timed in ``prefill_seconds``, which the step-time model of
+speculation does not learn as the cost of drafting); nothing is shipped. Both are counted in
+``num_prefill_tokens``. A request that is not worth drafting for at that load never pays either.
 
 Drafts are the draft model's argmax: a deterministic function of the context, so q is one-hot
 and rejection.verify_one_hot is exact for every target sampling setting.
@@ -126,6 +129,32 @@ class DraftModelProposer:
         self.num_forwards += 1
         moved = {rid for rid, _, _ in long}
         return [(rid, k, tokens, len(tokens) - 1 if rid in moved else start) for rid, k, tokens, start in rows]
+
+    def holds(self, request_id: str) -> bool:
+        """Whether the draft cache holds (or held since its last release) K/V of this request."""
+        return request_id in self._written
+
+    def prefill(self, requests: Sequence[Request]) -> list[str]:
+        """Prefill the draft cache with each request's context but its last token, in one forward,
+        for requests it holds nothing for (called for a new decode row, e.g. a request whose
+        first token was just sampled, so its first drafted step needs a one-token catch-up only). A request whose
+        blocks do not fit is left to the catch-up. Counted in num_prefill_tokens and
+        prefill_seconds_total, not in prefill_seconds: it runs after the step the step-time model
+        measured. Returns the ids prefilled."""
+        from engine.batch import SeqChunk
+
+        rows = [(r.request_id, r.all_token_ids) for r in requests if not self.holds(r.request_id)]
+        rows = [(rid, t) for rid, t in rows if len(t) > 1 and self.bm.allocate(rid, len(t)) is not None]
+        if not rows:
+            return []
+        began = time.perf_counter()
+        self.runner.forward([SeqChunk(t[:-1], 0, self.bm.block_table(rid), 1) for rid, t in rows])
+        self.prefill_seconds_total += time.perf_counter() - began
+        self.num_prefill_tokens += sum(len(t) - 1 for _, t in rows)
+        self.num_forwards += 1
+        for rid, t in rows:
+            self._written[rid], self._known[rid] = list(t[:-1]), len(t) - 1
+        return [rid for rid, _ in rows]
 
     def take_drafting(self) -> tuple[float, int, int]:
         """(seconds, forwards, rows) of the drafting forwards of the last propose_batch (its

@@ -7,7 +7,9 @@ Each step (engine/llm_engine.py):
 2. the scheduler attaches them to the rows' chunks (lookahead slots) and the runner verifies
    every row's k + 1 positions inside the step's one forward;
 3. ``observe(plan, result, seconds)`` updates acceptance rates, the step-time model and the
-   counters.
+   counters;
+4. ``prefill_drafts(updated)``: a draft model prefills the prompts whose first token was just
+   sampled (engine/spec_decode/draft.py).
 
 Penalties and min_tokens are honoured exactly: each draft position is sampled with the output
 extended by the drafts before it (rejection.verify_one_hot). Requests that ask for logprobs are
@@ -120,6 +122,20 @@ class Speculator:
 
     def _draft_forward_s(self, rows: int) -> float:
         return 0.0 if self.draft_cost is None else self.draft_cost.predict(max(rows, 1), self.time_model)
+
+    def prefill_drafts(self, requests: Sequence[Request]) -> None:
+        """After a step: a draft model prefills the context of every decode row it has no cache
+        for (a request whose first token was sampled in this step, or whose KV came from a
+        prefill worker), if
+        its first draft would pay at this load (_worth_proposing); the first drafted step then
+        catches up one token instead of a whole prompt. A free proposer has nothing to prefill."""
+        prefill = getattr(self.proposer, "prefill", None)
+        if prefill is None:
+            return
+        decode = [r for r in requests if r.state == RequestState.RUNNING and r.num_uncomputed_tokens == 1]
+        new = [r for r in decode if not self.proposer.holds(r.request_id) and can_speculate(r.params) and self.room(r) > 0]
+        if new:
+            prefill(self._worth_proposing(new, len(decode)))
 
     def release(self, request_id: str) -> None:
         """The request finished or was aborted: free what the proposer holds for it (draft blocks)."""
