@@ -14,10 +14,12 @@ FP8 E4M3 caches are dequantized in the kernel with their per-layer or per-KV-hea
 prefill and decode read the same quantized bytes. No reference groups are built
 (``metadata_groups = "none"``).
 
-Measured (bf16, SmolLM2-135M's shapes, one thread on a busy 2-core EPYC): a 512-token prefill
-chunk from position 0 at 128 GFLOP/s against SDPA's flash kernel on the fresh K/V at 39; a
-512-token chunk after 512 cached tokens at 146 GFLOP/s against the reference's gather + masked
-SDPA at 58.
+Measured (bf16, SmolLM2-135M's shapes, 2 threads, 2-core EPYC Zen 5, quiet phase at load 1.8,
+main's kernel and this one interleaved in one process, best of 5-7): a 512-token prefill chunk
+from position 0 2455 -> 1056 us a layer (123 -> 287 GFLOP/s), after 512 cached tokens 7615 ->
+2855 us (119 -> 318 GFLOP/s), over an FP8 cache 2669 -> 1195 us; decode unchanged (b16 ctx 160
+~70 us a layer, ~28 GB/s of K/V). ``pdserve bench attention`` (median, same run): 0.74 ms wall
+(411 GFLOP/s) from 0 against the reference's 8.9 ms of CPU time.
 
 The extension is built once per machine with ``torch.utils.cpp_extension.load`` (``-O3
 -march=native -fopenmp``) into a cache directory keyed by the CPU capability and torch version
