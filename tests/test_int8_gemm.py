@@ -59,9 +59,10 @@ def test_every_row_count_matches_the_fp32_product(available, n, k):
         assert rel(got, want) < 2 ** -7, (m, rel(got, want))
 
 
-def test_two_threads_give_the_same_result(available):
-    lin = Int8Linear(torch.randn(4096, 64).bfloat16(), None)
-    x = torch.randn(5, 64).bfloat16()
+@pytest.mark.parametrize("n,k,m", [(4096, 64, 5), (256, 576, 40)])   # the second: three passes of rows
+def test_two_threads_give_the_same_result(available, n, k, m):
+    lin = Int8Linear(torch.randn(n, k).bfloat16(), None)
+    x = torch.randn(m, k).bfloat16()
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
