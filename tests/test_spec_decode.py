@@ -532,3 +532,4 @@ def test_a_new_request_starts_at_the_pooled_acceptance():
         s.update(plan, result)
     assert spec.counters.num_accepted_tokens == 16 and spec.pooled_acceptance.value > 0.9
     assert spec._rate("new").value == pytest.approx(spec.pooled_acceptance.value)
+    assert spec._previous_k("new") == 2  # and the hysteresis state of the latest row
