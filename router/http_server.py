@@ -157,10 +157,9 @@ async def _respond(service: RouterService, body: _SamplingFields, prepared: Prep
     if body.stream:
         # Wait for the first delta before sending headers, so that admission errors (429, 503) and
         # failures before the first token keep their HTTP status.
-        try:
-            first = await anext(stream)
-        except StopAsyncIteration:
-            first = None
+        first = await _first_unless_gone(stream, request)
+        if first is _GONE:
+            return Response(status_code=499)  # nobody reads it; the request is already aborted
         return StreamingResponse(_sse(first, stream, shape, body.include_usage, want_logprobs, count),
                                  media_type="text/event-stream")
     per_choice = await _collect(stream, count, request)
@@ -182,6 +181,33 @@ async def _collect(stream: AsyncIterator[tuple[int, Delta]], count: int, request
         done, _ = await asyncio.wait({task}, timeout=0.5)
         if not done and await request.is_disconnected():
             task.cancel()
+    return task.result()
+
+
+_GONE = object()
+
+
+async def _first_unless_gone(stream: AsyncIterator[tuple[int, Delta]], request: Request):
+    """The stream's first item (None if it is empty), or _GONE when the client disconnects first:
+    the stream is then cancelled, which aborts the workers' legs. Before this, a streaming client
+    that gave up while its request waited or prefilled was noticed only at the first token (the
+    headers wait for it), so every abandoned request still took its whole prefill."""
+    async def first():
+        try:
+            return await anext(stream)
+        except StopAsyncIteration:
+            return None
+
+    task = asyncio.create_task(first())
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            return _GONE
     return task.result()
 
 

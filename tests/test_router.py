@@ -333,3 +333,44 @@ def test_lone_surrogates_are_found_with_their_path_and_nothing_else_is():
     assert _surrogate_path("\ud800", ()) == ()
     # an escaped pair is one code point after json.loads, and valid
     assert _surrogate_path(json.loads('{"prompt": "\\ud83d\\ude00 é", "n": [1, {"a": "b"}]}'), ()) is None
+
+
+def test_a_streaming_client_gone_before_its_first_token_cancels_the_stream():
+    """router/http_server.py waits for the first delta before the SSE headers; a client that
+    disconnected meanwhile was noticed only at the first token (a whole queue wait and prefill)."""
+    import asyncio
+
+    from router.http_server import _GONE, _first_unless_gone
+
+    closed = []
+
+    async def never():
+        try:
+            await asyncio.sleep(3600)
+            yield 0, None
+        finally:
+            closed.append(True)
+
+    async def one():
+        yield 0, "delta"
+
+    class Gone:
+        async def is_disconnected(self):
+            return True
+
+    class Here:
+        async def is_disconnected(self):
+            return False
+
+    async def main():
+        assert await asyncio.wait_for(_first_unless_gone(never(), Gone()), 5) is _GONE
+        assert await _first_unless_gone(one(), Here()) == (0, "delta")
+
+        async def empty():
+            return
+            yield
+
+        assert await _first_unless_gone(empty(), Here()) is None
+
+    asyncio.run(main())
+    assert closed == [True]
