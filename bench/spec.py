@@ -88,14 +88,11 @@ def command(
         raise UserError(f"--max-num-batched-tokens must be >= 1, got {max_num_batched_tokens}")
     dtype = resolve_dtype_name(dtype)
     flags = from_flags(speculative_method, num_speculative_tokens, speculative_model, spec_ngram_max, spec_ngram_min,
-                       speculative_quantization)
+                       speculative_quantization, speculative_draft_vocab_size)
     torch.set_num_threads(threads)
     tdtype = getattr(torch, dtype)
     runner, runner_spec = (ModelRunner(model, block_size=16, num_blocks=1024, dtype=tdtype) for _ in range(2))
     tok = load_tokenizer(runner.model_config.path)
-    if speculative_draft_vocab_size is not None and (flags.method != "draft" or speculative_draft_vocab_size < 1):
-        raise UserError(f"--speculative-draft-vocab-size needs --speculative-method draft and must be >= 1, "
-                        f"got {speculative_draft_vocab_size}")
     spec = SpeculativeConfig(flags.method, num_speculative_tokens, spec_ngram_max, spec_ngram_min, model=flags.model,
                              quantization=flags.quantization, adaptive=adaptive,
                              draft_vocab_size=speculative_draft_vocab_size)

@@ -150,6 +150,10 @@ def command(
                                                     rich_help_panel=SPEC),
     speculative_quantization: str = typer.Option("none", help="Linear method of the draft: none | int8 | fp8.",
                                                  rich_help_panel=SPEC),
+    speculative_draft_vocab_size: Optional[int] = typer.Option(
+        None, help="The draft's LM head covers token ids < N only (FR-Spec; the tokenizer's ids are in BPE merge, "
+                   "i.e. frequency, order); output stays exactly the target's. Default: the whole vocabulary.",
+        rich_help_panel=SPEC, show_default=False),
     spec_ngram_max: int = typer.Option(4, help="Longest n-gram matched (method ngram).", rich_help_panel=SPEC),
     spec_ngram_min: int = typer.Option(2, help="Shortest n-gram matched (method ngram).", rich_help_panel=SPEC),
     autoscale: bool = typer.Option(False, help="Run the SLA planner: scale prefill and decode pools to the --slo.",
@@ -183,7 +187,7 @@ def command(
     registry_url = router_cmd.check_registry(registry)
     routing = router_cmd.routing_config(router_policy, router_temperature, kv_overlap_score_weight)
     speculative = from_flags(speculative_method, num_speculative_tokens, speculative_model, spec_ngram_max,
-                             spec_ngram_min, speculative_quantization)
+                             spec_ngram_min, speculative_quantization, speculative_draft_vocab_size)
     if mode not in ("disagg", "agg"):
         raise UserError(f"--mode must be disagg or agg, got {mode!r}")
     check_batching(batching, mode, speculative)

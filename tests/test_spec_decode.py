@@ -393,12 +393,16 @@ def test_cli_flags_make_the_config_or_name_the_bad_flag():
     cfg = from_flags("ngram", 3, None, 5, 1)
     assert (cfg.num_speculative_tokens, cfg.ngram_max, cfg.ngram_min) == (3, 5, 1)
     assert from_flags("draft", 2, "smollm2-135m-instruct", 4, 2, "int8").quantization == "int8"
+    assert from_flags("draft", 2, "m", 4, 2, "int8", 32768).draft_vocab_size == 32768
     for args, flag in [(("eagle", None, None, 4, 2), "--speculative-method"),
                        (("draft", 2, None, 4, 2), "--speculative-model"),
                        (("draft", 2, "m", 4, 2, "int4"), "--speculative-quantization"),
                        (("ngram", 0, None, 4, 2), "--num-speculative-tokens"),
                        (("ngram", 2, None, 2, 3), "--spec-ngram-min"),
-                       ((None, 2, None, 4, 2), "--speculative-method")]:
+                       ((None, 2, None, 4, 2), "--speculative-method"),
+                       (("ngram", 2, None, 4, 2, "none", 8192), "--speculative-draft-vocab-size"),
+                       (("draft", 2, "m", 4, 2, "int8", 0), "--speculative-draft-vocab-size"),
+                       ((None, None, None, 4, 2, "none", 8192), "--speculative-draft-vocab-size")]:
         with pytest.raises(UserError, match=flag):
             from_flags(*args)
 

@@ -59,14 +59,16 @@ def compat_descriptor(config: SpeculativeConfig | None) -> str:
 
 
 def from_flags(method: str | None, num_speculative_tokens: int | None, model: str | None, ngram_max: int,
-               ngram_min: int, quantization: str = "none") -> SpeculativeConfig | None:
+               ngram_min: int, quantization: str = "none",
+               draft_vocab_size: int | None = None) -> SpeculativeConfig | None:
     """The config of the vLLM-style CLI flags (None = speculation off: no --speculative-method).
     Raises engine.errors.UserError naming the flag (the CLI prints one line, exit status 2)."""
     from engine.errors import UserError
 
     if not method:
-        if num_speculative_tokens is not None or model:
-            raise UserError("--num-speculative-tokens / --speculative-model need --speculative-method ngram|draft")
+        if num_speculative_tokens is not None or model or draft_vocab_size is not None:
+            raise UserError("--num-speculative-tokens / --speculative-model / --speculative-draft-vocab-size need "
+                            "--speculative-method ngram|draft")
         return None
     if method not in ("ngram", "draft"):
         raise UserError(f"--speculative-method must be ngram or draft, got {method!r}")
@@ -81,4 +83,7 @@ def from_flags(method: str | None, num_speculative_tokens: int | None, model: st
         raise UserError("--speculative-model is for --speculative-method draft; ngram uses no model (drop it)")
     if quantization not in ("none", "int8", "fp8"):
         raise UserError(f"--speculative-quantization must be none, int8 or fp8, got {quantization!r}")
-    return SpeculativeConfig(method, k, ngram_max, ngram_min, model, quantization)
+    if draft_vocab_size is not None and (method != "draft" or draft_vocab_size < 1):
+        raise UserError(f"--speculative-draft-vocab-size needs --speculative-method draft and must be >= 1, "
+                        f"got {draft_vocab_size}")
+    return SpeculativeConfig(method, k, ngram_max, ngram_min, model, quantization, draft_vocab_size=draft_vocab_size)
