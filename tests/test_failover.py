@@ -150,8 +150,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
 
 class Cluster:
-    def __init__(self, roles: list[tuple[str, str]]) -> None:
-        self.roles = roles
+    """Fake workers behind a real WorkerPool. rpc_timeout_s: the Stats poll deadline; the production
+    default (2 s) unless a test is about missed polls. A shorter one makes every test's exact event
+    list depend on the host: a loaded CI machine once missed a 0.3 s poll to both workers."""
+
+    def __init__(self, roles: list[tuple[str, str]], rpc_timeout_s: float = 2.0) -> None:
+        self.roles, self.rpc_timeout_s = roles, rpc_timeout_s
         self.workers: dict[str, FakeWorker] = {}
         self.servers: list[grpc.aio.Server] = []
         self.endpoints: list[WorkerEndpoint] = []
@@ -167,7 +171,7 @@ class Cluster:
             self.workers[wid], self.servers = fake, [*self.servers, server]
             self.endpoints.append(WorkerEndpoint(wid, role, f"127.0.0.1:{port}"))
         self.events = Events()
-        self.pool = WorkerPool(StaticRegistry(self.endpoints), poll_interval_s=0.05, rpc_timeout_s=0.3,
+        self.pool = WorkerPool(StaticRegistry(self.endpoints), poll_interval_s=0.05, rpc_timeout_s=self.rpc_timeout_s,
                                events=self.events)
         await self.pool.start()
         return self
@@ -270,16 +274,22 @@ def test_migration_limit_zero_fails_the_stream():
 
 
 def test_a_worker_missing_its_polls_is_suspect_until_it_answers_again():
+    async def until(cond, limit_s: float) -> None:
+        deadline = time.monotonic() + limit_s
+        while not cond() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
     async def go():
-        async with Cluster([("p0", "prefill"), ("d0", "decode")]) as c:
+        async with Cluster([("p0", "prefill"), ("d0", "decode")], rpc_timeout_s=0.5) as c:
             p = c.pool.get("p0")
             c.workers["p0"].stall_stats = True
-            await asyncio.sleep(0.6)
+            await until(lambda: not p.alive, 5.0)
+            await asyncio.sleep(0.6)  # more missed polls: still one event
             suspect, decode_polled = p.alive, c.pool.get("d0").missed_polls
             # new requests skip it: prefilled on the decode worker, no Prefill call
             got, _ = await c.run(c.orchestrator(), PROMPT)
             c.workers["p0"].stall_stats = False
-            await asyncio.sleep(0.6)
+            await until(lambda: p.alive, 5.0)
             return suspect, decode_polled, got, p.alive, c.workers["p0"].calls, c.events.seen
 
     suspect, decode_missed, got, back, p_calls, events = asyncio.run(go())
