@@ -103,8 +103,11 @@ def test_worker_api_needs_the_cluster_secret():
 
 
 def test_dead_engine_loop_goes_not_serving_and_exits(monkeypatch):
+    # The grace is long against the watch period so that a loaded host cannot blur the order:
+    # NOT_SERVING within a few watch periods, the exit not before the grace, and not long after.
+    grace_s = 1.0
     monkeypatch.setattr(worker_server, "ENGINE_WATCH_S", 0.05)
-    monkeypatch.setattr(worker_server, "ENGINE_DEATH_GRACE_S", 0.3)
+    monkeypatch.setattr(worker_server, "ENGINE_DEATH_GRACE_S", grace_s)
 
     async def go():
         exits: list[float] = []
@@ -123,7 +126,10 @@ def test_dead_engine_loop_goes_not_serving_and_exits(monkeypatch):
                 except grpc.RpcError as e:
                     stats = e.code()
                 exited_early = bool(exits)
-                await asyncio.sleep(0.5)
+                deadline = time.monotonic() + grace_s + 5.0
+                while not exits and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+                await asyncio.sleep(0.1)  # a second exit would show here
             return status, stats, exited_early, [t - died for t in exits]
         finally:
             await running.stop(0)
@@ -131,7 +137,7 @@ def test_dead_engine_loop_goes_not_serving_and_exits(monkeypatch):
     status, stats, exited_early, exits = asyncio.run(go())
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
     assert stats == grpc.StatusCode.UNAVAILABLE
-    assert not exited_early and len(exits) == 1 and 0.3 <= exits[0] < 0.6, exits
+    assert not exited_early and len(exits) == 1 and grace_s <= exits[0] < grace_s + 3.0, exits
 
 
 def test_secret_file_is_created_private_and_read_back(tmp_path, monkeypatch):
