@@ -19,17 +19,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable, Sequence
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.llm_engine import LayerHook, LLMEngine
-from engine.outputs import EngineStats, RemoteReservation, RequestOutput
+from engine.outputs import EngineStats, RemoteReservation, RequestOutput, Usage
 from proto.sampling import SamplingParams
 
-_IDLE_POLL_S = 0.02  # re-check when work exists but nothing could be scheduled (e.g. held KV)
+log = logging.getLogger(__name__)
 
+_IDLE_POLL_S = 0.02  # re-check when work exists but nothing could be scheduled (e.g. held KV)
+# An idle loop waits for a wakeup (_kick), but never forever: if work ever appears without one, it
+# is stepped within this bound (and logged) instead of waiting until the client gives up.
+_IDLE_BACKSTOP_S = 1.0
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, executor: ThreadPoolExecutor | None = None) -> None:
@@ -39,6 +44,7 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._loop_task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
+        self._kicked = False  # a _kick since the loop last looked for work
         self._dead: BaseException | None = None
         self._closed = False
 
@@ -127,10 +133,11 @@ class AsyncEngine:
         return self._dead
 
     async def shutdown(self) -> None:
-        """Stop the loop; every open stream ends with finish_reason "abort"."""
+        """Stop the loop (after the step in flight, if any); every open stream ends with
+        finish_reason "abort"."""
         self._closed = True
         if self._loop_task is not None:
-            self._loop_task.cancel()
+            self._kick_wakeup()
             await asyncio.gather(self._loop_task, return_exceptions=True)
         for rid in list(self._queues):
             out = await self._call(self.engine.abort, rid)
@@ -176,29 +183,66 @@ class AsyncEngine:
             if self._dead is None and not self._closed:
                 self._wakeup = asyncio.Event()
                 self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="pdserve-engine-loop")
+        self._kick_wakeup()
+
+    def _kick_wakeup(self) -> None:
+        self._kicked = True
         if self._wakeup is not None:
             self._wakeup.set()
 
     async def _run(self) -> None:
-        assert self._wakeup is not None
-        while True:
-            self._wakeup.clear()
-            if not self.engine.has_unfinished():
-                await self._wakeup.wait()
-                continue
+        """The step loop, until shutdown (_closed) or the engine dies. Any exception, from the
+        step or from routing its outputs, fails every open request, so no consumer waits on a
+        queue nobody will fill.
+
+        shutdown stops it with the _closed flag, not by cancelling it: under Python 3.11 a cancel
+        that lands while asyncio.wait_for's inner wait is completing is swallowed (CPython
+        gh-86296), and the loop went on idling with shutdown awaiting it forever (the CI hang of
+        test_bad_requests_fail_cleanly). The timed waits below use call_later for the same reason."""
+        try:
+            await self._step_while_work()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # a model/runtime failure: fail every request, refuse new ones
+            self._dead = e
+            log.error("engine loop stopped: %r", e, exc_info=e)
             try:
-                outputs = await self._call(self.engine.step)
-            except Exception as e:  # a model/runtime failure: fail every request, refuse new ones
-                self._dead = e
-                for out in await self._call(self.engine.fail_all):
-                    self._deliver(out)
-                return
+                failed = await self._call(self.engine.fail_all)
+            except BaseException as fail_error:  # noqa: BLE001 - the queues below still get a final output
+                log.error("engine fail_all raised %r: failing the open streams directly", fail_error)
+                failed = []
+            for out in failed:
+                self._deliver(out)
+            for rid, queue in list(self._queues.items()):
+                if not any(out.request_id == rid for out in failed):
+                    queue.put_nowait(RequestOutput(rid, [], "", True, "error", Usage(0, 0, 0)))
+            if not isinstance(e, Exception):
+                raise
+
+    async def _step_while_work(self) -> None:
+        while not self._closed:
+            self._kicked = False
+            if not self.engine.has_unfinished():
+                await self._wait_for_kick(_IDLE_BACKSTOP_S)
+                if not self._kicked and self.engine.has_unfinished():
+                    log.warning("engine loop: work was waiting without a wakeup; stepping it")
+                continue
+            outputs = await self._call(self.engine.step)
             self._deliver_all(outputs)
-            if not self.engine.last_step_ran:  # work exists but none fits now (e.g. held KV)
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), _IDLE_POLL_S)
-                except asyncio.TimeoutError:
-                    pass
+            if not self.engine.last_step_ran and not self._kicked:  # work exists, none fits now (held KV)
+                await self._wait_for_kick(_IDLE_POLL_S)
+
+    async def _wait_for_kick(self, timeout_s: float) -> None:
+        """Until _kick (or shutdown) or timeout_s, whichever is first."""
+        assert self._wakeup is not None
+        self._wakeup.clear()
+        if self._kicked or self._closed:
+            return
+        timer = asyncio.get_running_loop().call_later(timeout_s, self._wakeup.set)
+        try:
+            await self._wakeup.wait()
+        finally:
+            timer.cancel()
 
     def _deliver_all(self, outputs: Sequence[RequestOutput]) -> None:
         for out in outputs:

@@ -5,6 +5,7 @@ leaked, hold_kv / remote handoff, the event loop never blocked."""
 from __future__ import annotations
 
 import asyncio
+import io
 import time
 
 import pytest
@@ -44,6 +45,19 @@ def make_engine(runner, tokenizer, num_blocks=None) -> AsyncEngine:
 def chat(tokenizer, text):
     return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                               tokenize=True)["input_ids"])
+
+
+async def within(aw, what: str, limit_s: float = 120.0):
+    """Await aw; a hang fails naming the step, with every task's stack (CI once hung 600 s in
+    test_bad_requests_fail_cleanly with only pytest-timeout's thread dump to show for it)."""
+    try:
+        return await asyncio.wait_for(aw, limit_s)
+    except asyncio.TimeoutError:
+        buf = io.StringIO()
+        for task in asyncio.all_tasks():
+            print(task, file=buf)
+            task.print_stack(file=buf)
+        raise AssertionError(f"{what}: no answer in {limit_s} s; tasks:\n{buf.getvalue()}") from None
 
 
 async def collect(eng, prompt, params, rid):
@@ -214,20 +228,20 @@ def test_bad_requests_fail_cleanly(runner, tokenizer):
     async def main():
         eng = make_engine(runner, tokenizer, num_blocks=16)
         with pytest.raises(InvalidRequest):
-            await collect(eng, [], SamplingParams(), "empty")
+            await within(collect(eng, [], SamplingParams(), "empty"), "empty prompt")
         with pytest.raises(InvalidRequest, match="max_tokens"):
-            await collect(eng, [1, 2, 3], SamplingParams(max_tokens=1000), "huge")
+            await within(collect(eng, [1, 2, 3], SamplingParams(max_tokens=1000), "huge"), "huge max_tokens")
         with pytest.raises(KeyError):
-            await eng.generate_remote("nothing-reserved", 5).__anext__()
+            await within(eng.generate_remote("nothing-reserved", 5).__anext__(), "generate_remote unreserved")
         gen = eng.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=4), "dup")
-        await gen.__anext__()
+        await within(gen.__anext__(), "first output of 'dup'")
         with pytest.raises(KeyError):
-            await collect(eng, [1, 2, 3], SamplingParams(), "dup")
-        await gen.aclose()
+            await within(collect(eng, [1, 2, 3], SamplingParams(), "dup"), "second 'dup'")
+        await within(gen.aclose(), "closing 'dup'")
         assert eng.stats().kv_blocks_used == 0
-        await eng.shutdown()
+        await within(eng.shutdown(), "shutdown")
         with pytest.raises(EngineDeadError):
-            await collect(eng, [1, 2, 3], SamplingParams(), "late")
+            await within(collect(eng, [1, 2, 3], SamplingParams(), "late"), "request after shutdown")
 
     asyncio.run(main())
 
@@ -253,3 +267,4 @@ def test_from_config_builds_the_engine_on_the_thread_that_steps_it(monkeypatch):
     assert built["thread"] == step_thread != threading.get_ident()
     with pytest.raises(RuntimeError, match="no weights"):
         AsyncEngine.from_config(EngineConfig(), fail=True)
+
