@@ -2,12 +2,14 @@
 
 Two parts, in one run:
 
-- **op**: one layer's decode attention (one query per sequence) at each batch size x context x
-  dtype, the model's shapes (9 query heads, 3 KV heads, head dim 64, block size 16), block
-  tables scattered at random over the cache. Each repeat visits enough separate layer caches
-  (at least 64 MiB in all, more than the L3) that every call finds its K/V in DRAM, as it does
-  inside a decode step. Reported: ms per layer (CPU time, median), and the K/V bytes the kernel
-  reads per second.
+- **op**: one layer's decode attention (``--query-lens``: 1 query per sequence, or a short
+  verification run of n) at each batch size x context x dtype, the model's shapes (9 query heads,
+  3 KV heads, head dim 64, block size 16), block tables shuffled over the cache (as serving leaves
+  them). Each repeat visits enough separate layer caches (at least 64 MiB in all, more than the
+  L3) that every call finds its K/V in DRAM, as it does inside a decode step. Reported: ms per
+  layer (CPU time, median), and the K/V bytes the kernel reads per second; for bf16 also the
+  kernel with ``PDSERVE_ATTN_DECODE=fp32`` (its earlier fp32 P V loop, kept as a fallback),
+  interleaved with the default in the same run.
 - **prefill**: one layer's attention of one prefill chunk of each ``--prefill-lens`` length, from
   position 0 and continued after as many cached tokens (causal; the same shapes, scattered
   tables). Reported: ms per layer and GFLOP/s of the causal work (4 x head_dim FLOPs per query
@@ -43,6 +45,8 @@ def command(
     model: str = typer.Option("smollm2-135m-instruct", "--model", "-m"),
     batch_sizes: str = typer.Option("1,16,32", "--batch-sizes", help="Comma-separated batch sizes (op part)."),
     contexts: str = typer.Option("256,1024", "--contexts", help="Comma-separated context lengths (op part)."),
+    query_lens: str = typer.Option("1", "--query-lens",
+                                   help="Comma-separated queries per sequence (op part: 1 = decode, 2-5 = verification)."),
     dtypes: str = typer.Option("float32,bfloat16", "--dtypes", help="Comma-separated dtypes."),
     prefill_lens: str = typer.Option("512", "--prefill-lens",
                                      help="Comma-separated prefill chunk lengths (prefill part; empty = skip it)."),
@@ -67,7 +71,8 @@ def command(
     for dtype in names:
         for batch in _ints(batch_sizes):
             for context in _ints(contexts):
-                result["op"].append(_op(getattr(torch, dtype), batch, context, repeats))
+                for qlen in _ints(query_lens):
+                    result["op"].append(_op(getattr(torch, dtype), batch, context, repeats, qlen))
     for dtype in names:
         for length in _ints(prefill_lens):
             for start in (0, length):
@@ -87,7 +92,8 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def _op(dtype, batch: int, context: int, repeats: int) -> dict:
+def _op(dtype, batch: int, context: int, repeats: int, qlen: int = 1) -> dict:
+    """One layer's attention of ``qlen`` queries per sequence ending at position ``context``."""
     import torch
 
     from kernels.attention import AttentionMetadata, get_attention_backend
@@ -101,8 +107,8 @@ def _op(dtype, batch: int, context: int, repeats: int) -> dict:
     order = list(range(num_blocks))
     random.Random(0).shuffle(order)
     tables = [order[b * blocks_per_seq:(b + 1) * blocks_per_seq] for b in range(batch)]
-    args = ([context - 1] * batch, [1] * batch, tables, BLOCK)
-    query = torch.randn(batch, HEADS, HEAD_DIM).to(dtype)
+    args = ([context - qlen] * batch, [qlen] * batch, tables, BLOCK)
+    query = torch.randn(batch * qlen, HEADS, HEAD_DIM).to(dtype)
     ref, cpu = get_attention_backend("torch"), get_attention_backend("cpu")
     full = AttentionMetadata.build(*args, dtype=dtype)
     lean = AttentionMetadata.build(*args, dtype=dtype, groups=cpu.metadata_groups)
@@ -110,14 +116,37 @@ def _op(dtype, batch: int, context: int, repeats: int) -> dict:
     def over_layers(ops, meta) -> Callable[[], None]:
         return lambda: [ops.paged_attention(query, k, v, meta, HEAD_DIM ** -0.5) for k, v in caches]
 
-    times = _interleaved({"torch": over_layers(ref, full), "cpu": over_layers(cpu, lean)}, repeats)
+    fns = {"torch": over_layers(ref, full), "cpu": over_layers(cpu, lean)}
+    if dtype == torch.bfloat16:   # the fp32 P V fallback, for the A/B
+        fns["cpu_fp32_pv"] = _with_env("PDSERVE_ATTN_DECODE", "fp32", over_layers(cpu, lean))
+    times = _interleaved(fns, repeats)
     per_layer = {name: {k: 1000 * v / layers for k, v in t.items()} for name, t in times.items()}
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
-    return {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "context": context, "layers_cycled": layers,
-            "torch_ms_per_layer": per_layer["torch"]["cpu"], "cpu_ms_per_layer": per_layer["cpu"]["cpu"],
-            "torch_ms_per_layer_wall": per_layer["torch"]["wall"], "cpu_ms_per_layer_wall": per_layer["cpu"]["wall"],
-            "speedup": per_layer["torch"]["cpu"] / per_layer["cpu"]["cpu"],
-            "cpu_kv_read_gb_s": kv_bytes / (per_layer["cpu"]["cpu"] / 1000) / 1e9}
+    out = {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "context": context, "query_len": qlen,
+           "layers_cycled": layers, "speedup": per_layer["torch"]["cpu"] / per_layer["cpu"]["cpu"]}
+    for name in fns:
+        out[f"{name}_ms_per_layer"] = per_layer[name]["cpu"]
+        out[f"{name}_ms_per_layer_wall"] = per_layer[name]["wall"]
+    out["cpu_kv_read_gb_s"] = kv_bytes / (per_layer["cpu"]["cpu"] / 1000) / 1e9
+    if "cpu_fp32_pv" in fns:
+        out["cpu_fp32_pv_kv_read_gb_s"] = kv_bytes / (per_layer["cpu_fp32_pv"]["cpu"] / 1000) / 1e9
+        out["speedup_vs_fp32_pv"] = per_layer["cpu_fp32_pv"]["cpu"] / per_layer["cpu"]["cpu"]
+    return out
+
+
+def _with_env(name: str, value: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """fn run with os.environ[name] = value (the kernel reads it at each call), restored after."""
+    def run() -> object:
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = old
+    return run
 
 
 def _prefill(dtype, start: int, length: int, repeats: int) -> dict:
@@ -242,11 +271,17 @@ def _print_table(result: dict) -> None:
     print(f"threads {result['threads']}, CPU {result['cpu_capability']}, load before "
           f"{' '.join(f'{x:.2f}' for x in result['load_before'])}, after "
           f"{' '.join(f'{x:.2f}' for x in result['load_after'])}")
-    print("\nattention, one layer of decode (ms, CPU time; K/V cold in DRAM)")
-    print(f"{'dtype':9} {'batch':>5} {'ctx':>5} {'torch ms':>9} {'cpu ms':>8} {'speedup':>8} {'cpu KV GB/s':>11}")
+    print("\nattention, one layer of decode / verification (q = queries per sequence; ms, CPU time; K/V cold in DRAM;"
+          " fp32-PV: the kernel with PDSERVE_ATTN_DECODE=fp32, same run)")
+    print(f"{'dtype':9} {'batch':>5} {'ctx':>5} {'q':>2} {'torch ms':>9} {'cpu ms':>8} {'speedup':>8} {'cpu KV GB/s':>11} "
+          f"{'fp32-PV ms':>10} {'fp32-PV GB/s':>12} {'vs fp32-PV':>10}")
     for r in result["op"]:
-        print(f"{r['dtype']:9} {r['batch']:5d} {r['context']:5d} {r['torch_ms_per_layer']:9.3f} "
-              f"{r['cpu_ms_per_layer']:8.3f} {r['speedup']:7.2f}x {r['cpu_kv_read_gb_s']:11.1f}")
+        line = (f"{r['dtype']:9} {r['batch']:5d} {r['context']:5d} {r.get('query_len', 1):2d} {r['torch_ms_per_layer']:9.3f} "
+                f"{r['cpu_ms_per_layer']:8.3f} {r['speedup']:7.2f}x {r['cpu_kv_read_gb_s']:11.1f}")
+        if "cpu_fp32_pv_ms_per_layer" in r:
+            line += (f" {r['cpu_fp32_pv_ms_per_layer']:10.3f} {r['cpu_fp32_pv_kv_read_gb_s']:12.1f}"
+                     f" {r['speedup_vs_fp32_pv']:9.2f}x")
+        print(line)
     if result["prefill"]:
         print("\nattention, one layer of one prefill chunk (ms and GFLOP/s; CPU time, and wall GFLOP/s)")
         print(f"{'dtype':9} {'start':>5} {'len':>5} {'torch ms':>9} {'cpu ms':>8} {'torch GF/s':>10} {'cpu GF/s':>9} "

@@ -8,7 +8,12 @@ split-K for small batches), on torch's intra-op threads, costliest first. Decode
 the keys in partitions of 512, with a two-pass softmax inside a partition and online rescaling
 between them. Prefill tiles (16-48 rows per KV head, bf16 queries over a bf16 or FP8 cache): QK^T
 and PV as two bf16 GEMMs (vdpbf16ps) with the query rows in the vector lanes, K read in place, P
-rounded to bf16, online softmax per 64 keys. fp32 accumulation; AVX-512 / AVX512-BF16 where the
+rounded to bf16, online softmax per 64 keys. Decode and short rows with bf16 queries over a bf16
+or FP8 cache: QK^T as bf16 dot products, PV as bf16 pair dot products (P split into bf16 hi + lo,
+so P keeps ~2^-17), and K/V asked into L2 four blocks ahead (shuffled block tables defeat the
+hardware prefetcher; with one block ahead decode waited on DRAM ~2/3 of its time).
+``PDSERVE_ATTN_DECODE=fp32`` (read at each call) restores the earlier fp32 PV and one-block
+prefetch, for A/B runs (``pdserve bench attention``) and as a fallback. fp32 accumulation; AVX-512 / AVX512-BF16 where the
 CPU has them, a portable path otherwise.
 FP8 E4M3 caches are dequantized in the kernel with their per-layer or per-KV-head scales, so
 prefill and decode read the same quantized bytes. No reference groups are built

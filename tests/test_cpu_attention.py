@@ -86,7 +86,7 @@ def test_fp32_matches_the_reference(cpu, batch, block_size, head_dim):
 
 
 @pytest.mark.parametrize("batch", ["decode", "verification", "mixed", "long contexts"])
-@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (16, 128), (16, 8)])  # AVX512-BF16 dots, and not
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (16, 128), (16, 32), (16, 8)])  # AVX512-BF16 dots, and not
 def test_bf16_within_tolerance_of_fp32(cpu, batch, block_size, head_dim):
     query, kc, vc, full, lean, args = case(BATCHES[batch], block_size, kv_heads=3, group=3, head_dim=head_dim,
                                            dtype=torch.bfloat16)
@@ -97,6 +97,27 @@ def test_bf16_within_tolerance_of_fp32(cpu, batch, block_size, head_dim):
     err = (got.float() - exact).abs().max().item()
     ref_err = (ref.paged_attention(query, kc, vc, full, 0.125).float() - exact).abs().max().item()
     assert err < 1.6e-2 and err <= ref_err + 1e-6
+
+
+@pytest.mark.parametrize("mode", ["fp32", "default"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_pv_modes_within_tolerance_of_fp32(cpu, monkeypatch, mode, head_dim):
+    """Decode and verification rows with P V as bf16 pair dot products (the default, P split hi + lo)
+    and with PDSERVE_ATTN_DECODE=fp32 (the earlier fp32 P V, kept as the A/B fallback): both held to
+    the bf16 rule above, and the two within 2 bf16 ulps of each other."""
+    seqs = BATCHES["decode"] + BATCHES["verification"] + [(420, 1), (517, 5)]   # odd tails, two partitions
+    query, kc, vc, full, lean, args = case(seqs, 16, kv_heads=3, group=3, head_dim=head_dim, dtype=torch.bfloat16)
+    ref = get_attention_backend("torch")
+    exact = ref.paged_attention(query.float(), kc.float(), vc.float(), AttentionMetadata.build(*args), 0.125)
+    if mode == "fp32":
+        monkeypatch.setenv("PDSERVE_ATTN_DECODE", "fp32")
+    got = cpu.paged_attention(query, kc, vc, lean, 0.125)
+    monkeypatch.delenv("PDSERVE_ATTN_DECODE", raising=False)
+    other = cpu.paged_attention(query, kc, vc, lean, 0.125)
+    err = (got.float() - exact).abs().max().item()
+    ref_err = (ref.paged_attention(query, kc, vc, full, 0.125).float() - exact).abs().max().item()
+    assert err < 1.6e-2 and err <= ref_err + 1e-6
+    assert (got.float() - other.float()).abs().max().item() < 1.6e-2
 
 
 TILE_BATCHES = {

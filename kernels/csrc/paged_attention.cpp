@@ -17,8 +17,16 @@
 //   2. softmax: per row, the partition's max (keys past the row's causal limit excluded), the
 //      running max updated once, p = exp(s - max) vectorized over the whole partition, the running
 //      sum and accumulator rescaled once;
-//   3. values: acc += p V, the V block converted to fp32 once and streamed through register
-//      tiles of up to 6 rows x head_dim accumulators.
+//   3. values: acc += p V; with AVX512-BF16, a bf16 query and a bf16 or FP8 cache, as bf16 pair
+//      dot products of P (split hi + lo) and V pairs read in place (pv_native); otherwise the V
+//      block converted to fp32 once and streamed through register tiles of up to 6 rows x
+//      head_dim accumulators.
+// Pass 1 also asks for K and V of the block PDSERVE_ATTN_L2_AHEAD (4) blocks on into L2 (and the
+// next K block into L1): block tables are shuffled, so no hardware prefetcher finds them, and with
+// the next block only decode spent about 2/3 of its time waiting on DRAM (one thread, b16 ctx 256:
+// 430 us a layer with K/V cold, 119 us with them in cache).
+// PDSERVE_ATTN_DECODE=fp32 (read at each call) restores the fp32 P V and the one-block prefetch:
+// the earlier kernel, kept for A/B measurements (bench/attention.py) and as a fallback.
 // This is the two-pass softmax within a partition and FlashAttention's online rescaling between
 // partitions (Milakov & Gimelshein 2018; Dao et al. 2022). The earlier kernel did the online step
 // per 16-key block and row (max, exp, sum, rescale in one dependency chain per block), which bound
@@ -44,6 +52,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -76,6 +85,9 @@ using pdserve_simd::load16;
 #endif
 #ifndef PDSERVE_ATTN_PREFETCH_AHEAD
 #define PDSERVE_ATTN_PREFETCH_AHEAD 1
+#endif
+#ifndef PDSERVE_ATTN_L2_AHEAD
+#define PDSERVE_ATTN_L2_AHEAD 4
 #endif
 #ifndef PDSERVE_ATTN_EARLY_V_PREFETCH
 #define PDSERVE_ATTN_EARLY_V_PREFETCH 1
@@ -416,6 +428,8 @@ struct Call {
   int64_t scale_heads;
   float* partial;          // [slots][rows_max][d + 2]: acc, m, l
   int64_t partial_rows;
+  bool fp32_pv;            // PDSERVE_ATTN_DECODE=fp32: decode P V in fp32 as before the bf16 pairs (A/B, fallback)
+  int l2_ahead;            // how many blocks ahead pass 1 asks for K and V into L2 (<= 1: the next block only)
 };
 
 // Head h's scale of an FP8 cache (1 without one).
@@ -423,7 +437,8 @@ inline float head_scale(const float* scale, int64_t n, int64_t h) { return scale
 
 struct Scratch {
   std::vector<float> q, acc, m, l, s, kf, vf;
-  std::vector<at::BFloat16> kb;   // an FP8 K block as bf16
+  std::vector<at::BFloat16> kb, vb;   // an FP8 K / V block as bf16
+  std::vector<uint32_t> p2;           // P rows as bf16 pairs of keys (the native P V)
   std::vector<int64_t> row_off;   // offset of each row's query (and output) vector, per head and row
   std::vector<int64_t> limit;     // each row's causal limit: keys < limit are visible
 };
@@ -568,6 +583,100 @@ inline void softmax_tile(const float* s, int nk, int64_t c0, const __m512i* limi
     }
     _mm512_storeu_ps(m + v * 16, mx);
     _mm512_storeu_ps(l + v * 16, sum);
+  }
+}
+
+// ---- Decode and short rows: P V as bf16 pair dot products ----
+//
+// Rows of one KV head (decode: its G query heads; a verification run: G per token, at most 15)
+// keep head_dim in the vector lanes, as the fp32 path does, but P and V go through vdpbf16ps:
+// each row's p is split once per partition into hi = bf16(p) and lo = bf16(p - hi) (hi + lo
+// carries p to ~2^-17; consecutive keys are then already pairs, (p_2u, p_2u+1) = one dword), and
+// V is interleaved two keys at a time in registers ((v_2u[i], v_2u+1[i]) per column i, two
+// permutes per 32 columns, read in place from a bf16 cache), so
+//   acc_r[i] += hi_r,2u v_2u[i] + hi_r,2u+1 v_2u+1[i]   (and the same with lo)
+// is two instructions per 16 columns, pair of keys and row, fp32 accumulation, where the fp32
+// path spent two conversions per 16 values and two FMAs. P as hi alone (one instruction, as the
+// prefill tiles do) measured no faster and missed the tests' rule "no worse than the bf16
+// reference" at head_dim 128 (max error 0.0085 against the reference's 0.0079).
+
+// p2[r * p2s + u] = (bf16(p_r[2u]), bf16(p_r[2u + 1])), u < ceil(n / 2), r < rows: p rows ps apart;
+// an odd n's last pair has a zero second half. lo (or nullptr): the same of p - hi.
+inline void pack_p_pairs(const float* p, int64_t ps, int rows, int n, uint32_t* p2, uint32_t* lo, int64_t p2s) {
+  for (int r = 0; r < rows; ++r)
+    for (int t = 0; t < n; t += 16) {
+      const __mmask16 mask = tail_mask(n - t);
+      const __mmask8 pairs = static_cast<__mmask8>((1u << ((std::min(n - t, 16) + 1) / 2)) - 1);
+      const __m512 x = _mm512_maskz_loadu_ps(mask, p + r * ps + t);
+      const __m256i b = (__m256i)_mm512_cvtneps_pbh(x);
+      _mm256_mask_storeu_epi32(p2 + r * p2s + t / 2, pairs, b);
+      if (lo == nullptr) continue;
+      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+      _mm256_mask_storeu_epi32(lo + r * p2s + t / 2, pairs, (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, hi)));
+    }
+}
+
+// acc[r] += sum_t p[r][t] v_t for RB rows, t < n: p2 as pack_p_pairs wrote it (rows p2s dwords
+// apart), v_t = v + t * ld (bf16), head_dim = 16 NC (NC even). RB x NC accumulators in registers.
+template <int NC, int RB>
+inline void pv_rows(float* acc, int64_t acc_ld, const uint32_t* p2, const uint32_t* lo, int64_t p2s, const at::BFloat16* v,
+                    int64_t ld, int n) {
+  static_assert(NC % 2 == 0, "head_dim must be a multiple of 32");
+  alignas(64) static const uint16_t first[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                              8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t second[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i ilo = _mm512_load_si512(first), ihi = _mm512_load_si512(second);
+  __m512 a[RB][NC];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NC; ++c) a[r][c] = _mm512_loadu_ps(acc + r * acc_ld + 16 * c);
+  for (int u = 0; 2 * u < n; ++u) {
+    const at::BFloat16* va = v + 2 * u * ld;
+    const bool pair = 2 * u + 1 < n;   // never read past the last key (the cache beyond may hold NaN)
+    __m512i x[NC];
+    for (int c2 = 0; c2 < NC / 2; ++c2) {
+      const __m512i ra = _mm512_loadu_si512(va + 32 * c2);
+      const __m512i rb = pair ? _mm512_loadu_si512(va + ld + 32 * c2) : _mm512_setzero_si512();
+      x[2 * c2] = _mm512_permutex2var_epi16(ra, ilo, rb);
+      x[2 * c2 + 1] = _mm512_permutex2var_epi16(ra, ihi, rb);
+    }
+    for (int r = 0; r < RB; ++r) {
+      const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int>(p2[r * p2s + u]));
+      for (int c = 0; c < NC; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], pr, (__m512bh)x[c]);
+      if (lo == nullptr) continue;
+      const __m512bh pl = (__m512bh)_mm512_set1_epi32(static_cast<int>(lo[r * p2s + u]));
+      for (int c = 0; c < NC; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], pl, (__m512bh)x[c]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + r * acc_ld + 16 * c, a[r][c]);
+}
+
+template <int NC, int MAXRB>
+inline void pv_tail(int rows, float* acc, int64_t acc_ld, const uint32_t* p2, const uint32_t* lo, int64_t p2s,
+                    const at::BFloat16* v, int64_t ld, int n) {
+  if constexpr (MAXRB > 0) {
+    if (rows == MAXRB) return pv_rows<NC, MAXRB>(acc, acc_ld, p2, lo, p2s, v, ld, n);
+    return pv_tail<NC, MAXRB - 1>(rows, acc, acc_ld, p2, lo, p2s, v, ld, n);
+  }
+}
+
+// acc[r] (rows d apart) += P V for rows r < rows over n keys of one block (see pv_rows), d in
+// {32, 64, 128}: register tiles of 8, 5 or 2 rows (RB x NC <= 20 accumulators beside NC values).
+inline void pv_native(float* acc, int rows, const uint32_t* p2, const uint32_t* lo, int64_t p2s, const at::BFloat16* v,
+                      int64_t ld, int n, int d) {
+  auto tiles = [&](auto nc_tag, auto rb_tag) {
+    constexpr int NC = decltype(nc_tag)::value, RB = decltype(rb_tag)::value;
+    int r = 0;
+    auto at = [&](const uint32_t* x) { return x == nullptr ? nullptr : x + r * p2s; };
+    for (; r + RB <= rows; r += RB) pv_rows<NC, RB>(acc + r * d, d, p2 + r * p2s, at(lo), p2s, v, ld, n);
+    if (r < rows) pv_tail<NC, RB - 1>(rows - r, acc + r * d, d, p2 + r * p2s, at(lo), p2s, v, ld, n);
+  };
+  switch (d) {
+    case 64: return tiles(std::integral_constant<int, 4>{}, std::integral_constant<int, 5>{});
+    case 128: return tiles(std::integral_constant<int, 8>{}, std::integral_constant<int, 2>{});
+    case 32: return tiles(std::integral_constant<int, 2>{}, std::integral_constant<int, 8>{});
+    default: break;
   }
 }
 
@@ -720,6 +829,13 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w) {
   const size_t all_rows = static_cast<size_t>(rows) * nh;
   const int64_t k_end = it.k1 >= 0 ? it.k1 : start + it.q1;
   const bool native = native_bf16<Q, KV>(d);
+  // P V as bf16 pair dot products (pv_native): the native rows, keys in pairs inside a block
+  const bool native_pv = native && bs % 2 == 0 && !c.fp32_pv;
+  const int64_t p2s = c.partition / 2;   // dwords per row of w.p2
+  if (native_pv) {
+    w.p2.resize(2 * all_rows * p2s);   // hi, then lo
+    if constexpr (!std::is_same_v<KV, at::BFloat16>) w.vb.resize(static_cast<size_t>(bs) * d);
+  }
   w.acc.assign(all_rows * d, 0.f);
   w.m.assign(all_rows, kNegInf);
   w.l.assign(all_rows, 0.f);
@@ -753,6 +869,7 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w) {
   // The item's heads of one token are contiguous: (nh - 1) * head stride + d elements.
   const int64_t span = (nh - 1) * c.cs[2] + d;
   const int64_t ps = c.partition;   // scores row stride
+  const int64_t kb_end = (k_end + bs - 1) / bs;   // the item's blocks: kb < kb_end
   for (int64_t p0 = it.k0; p0 < k_end; p0 += c.partition) {
     const int64_t p1 = std::min<int64_t>(p0 + c.partition, k_end);
     const int64_t kb0 = p0 / bs, kb1 = (p1 + bs - 1) / bs;
@@ -766,6 +883,15 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w) {
         const int n_next = static_cast<int>(std::min<int64_t>(bs, p1 - base - ahead * bs));
         prefetch_block(c.key_cache + next, c.cs[1], n_next, span, 0);
         if (PDSERVE_ATTN_EARLY_V_PREFETCH) prefetch_block(c.value_cache + next, c.cs[1], n_next, span, 1);
+      }
+      if (c.l2_ahead > 1) {   // K and V l2_ahead blocks on into L2 (at the item's first block: the ones before too)
+        const int64_t from = kb == it.k0 / bs ? kb + 2 : kb + c.l2_ahead;
+        for (int64_t far = from; far <= kb + c.l2_ahead && far < kb_end; ++far) {
+          const int64_t at = table[far] * c.cs[0] + static_cast<int64_t>(it.h0) * c.cs[2];
+          const int n_far = static_cast<int>(std::min<int64_t>(bs, k_end - far * bs));
+          prefetch_block(c.key_cache + at, c.cs[1], n_far, span, 1);
+          prefetch_block(c.value_cache + at, c.cs[1], n_far, span, 1);
+        }
       }
       for (int hh = 0; hh < nh; ++hh) {
         const int64_t off = table[kb] * c.cs[0] + static_cast<int64_t>(it.h0 + hh) * c.cs[2];
@@ -807,6 +933,41 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w) {
       }
     if (live_rows == 0) continue;
     // 3. values
+#if defined(__AVX512BF16__)
+    if (native_pv) {
+      for (int hh = 0; hh < nh; ++hh) {
+        const size_t hr0 = static_cast<size_t>(hh) * rows;
+        pack_p_pairs(w.s.data() + hr0 * ps, ps, live_rows, plen, w.p2.data() + hr0 * p2s,
+                     w.p2.data() + (all_rows + hr0) * p2s, p2s);
+      }
+      for (int64_t kb = kb0; kb < kb1; ++kb) {
+        const int64_t base = kb * bs;
+        const int n = static_cast<int>(std::min<int64_t>(bs, p1 - base));
+        if (kb + PDSERVE_ATTN_PREFETCH_AHEAD < kb1) {
+          const int64_t ahead = PDSERVE_ATTN_PREFETCH_AHEAD;
+          const int64_t next = table[kb + ahead] * c.cs[0] + static_cast<int64_t>(it.h0) * c.cs[2];
+          prefetch_block(c.value_cache + next, c.cs[1], static_cast<int>(std::min<int64_t>(bs, p1 - base - ahead * bs)), span, 0);
+        }
+        for (int hh = 0; hh < nh; ++hh) {
+          const int64_t off = table[kb] * c.cs[0] + static_cast<int64_t>(it.h0 + hh) * c.cs[2];
+          const size_t hr0 = static_cast<size_t>(hh) * rows;
+          const at::BFloat16* v = nullptr;
+          int64_t ld = d;
+          if constexpr (std::is_same_v<KV, at::BFloat16>) {
+            v = c.value_cache + off;
+            ld = c.cs[1];
+          } else {   // FP8: exactly bf16 (4 significant bits), the V scale applied at the end
+            load_block_bf16(w.vb.data(), c.value_cache + off, c.cs[1], n, d);
+            v = w.vb.data();
+          }
+          const size_t at = hr0 * p2s + (base - p0) / 2;
+          pv_native(w.acc.data() + hr0 * d, live_rows, w.p2.data() + at,
+                    w.p2.data() + all_rows * p2s + at, p2s, v, ld, n, d);
+        }
+      }
+      continue;
+    }
+#endif
     for (int64_t kb = kb0; kb < kb1; ++kb) {
       const int64_t base = kb * bs;
       const int n = static_cast<int>(std::min<int64_t>(bs, p1 - base));
@@ -955,6 +1116,10 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, 
   c.k_scale = k_scale ? k_scale->data_ptr<float>() : nullptr;
   c.v_scale = v_scale ? v_scale->data_ptr<float>() : nullptr;
   c.scale_heads = k_scale ? k_scale->numel() : 1;
+  const char* decode_mode = std::getenv("PDSERVE_ATTN_DECODE");
+  c.fp32_pv = decode_mode != nullptr && std::strcmp(decode_mode, "fp32") == 0;
+  const char* l2 = std::getenv("PDSERVE_ATTN_L2_AHEAD");   // tuning (bench/attention.py); default measured
+  c.l2_ahead = c.fp32_pv ? 1 : (l2 != nullptr ? std::atoi(l2) : PDSERVE_ATTN_L2_AHEAD);
   const int64_t n_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(threads, n_items);
