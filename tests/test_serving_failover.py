@@ -53,8 +53,9 @@ def serving(ray_session, wedge_dir):
 
     spec = ClusterSpec(mode="disagg", kv_transport="tcp", num_prefill=1, num_decode=2, num_blocks=256,
                        engine_wedge_file=str(wedge_dir / "{worker_id}"))
-    config = RouterConfig(port=0, http_port=0, mode="disagg", leg_timeouts=LegTimeouts(floor_s=2.0, slack=3.0),
-                          worker_rpc_timeout_s=1.0)
+    # Stats polls keep the production deadline (2 s): a busy worker on a loaded host may take over 1 s
+    # to answer, and a decode worker made suspect by that would fail or misplace requests here
+    config = RouterConfig(port=0, http_port=0, mode="disagg", leg_timeouts=LegTimeouts(floor_s=2.0, slack=3.0))
     with LocalServing(spec, config) as s:
         yield s
 
@@ -104,8 +105,11 @@ def test_prefill_worker_sigstop_fails_over_and_is_used_again(serving):
             await asyncio.sleep(0.3)
             os.kill(pid, signal.SIGSTOP)
             stopped = time.monotonic()
-            await asyncio.sleep(1.5)
-            later = [asyncio.create_task(_one(stub, p)) for p in prompts[8:16]]
+            end = stopped + 60  # its polls miss their 2 s deadline, or a leg times out: suspect
+            while s.router.pool.get("prefill-0").alive:
+                assert time.monotonic() < end, "prefill-0 not suspect after SIGSTOP"
+                await asyncio.sleep(0.05)
+            later = [asyncio.create_task(_one(stub, p)) for p in prompts[8:16]]  # sent while it is suspect
             return await asyncio.gather(*first, *later), stopped
 
     failovers = s.router.orchestrator.prefill_failovers
@@ -190,7 +194,7 @@ def test_decode_engine_wedged_inside_a_step_is_migrated_past_the_stall_bound(ser
 
     async def run():
         router, ep = await _side_router(s, visible, http_port=0, leg_timeouts=LegTimeouts(
-            floor_s=2.0, slack=3.0, default_s_per_token=0.002), worker_rpc_timeout_s=1.0)
+            floor_s=2.0, slack=3.0, default_s_per_token=0.002))
         base, d0 = f"http://{ep.http}", router.pool.get("decode-0")
         try:
             async with httpx.AsyncClient() as c:
