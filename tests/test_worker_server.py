@@ -118,8 +118,13 @@ def test_dead_engine_loop_goes_not_serving_and_exits(monkeypatch):
                 stub = worker_pb2_grpc.WorkerStub(ch)
                 died = time.monotonic()
                 running.worker.engine.dead = RuntimeError("injected: the step raised")
-                await asyncio.sleep(0.15)
-                status = (await health.Check(health_pb2.HealthCheckRequest(), timeout=5)).status
+                # NOT_SERVING within a few watch periods: polled (a loaded host may take longer than
+                # a fixed 0.15 s sleep), at most until the grace ends, when the exit is due
+                while True:
+                    status = (await health.Check(health_pb2.HealthCheckRequest(), timeout=5)).status
+                    if status == health_pb2.HealthCheckResponse.NOT_SERVING or time.monotonic() - died > grace_s:
+                        break
+                    await asyncio.sleep(0.02)
                 try:
                     await stub.Stats(worker_pb2.StatsRequest(), timeout=5)
                     stats = "served"
