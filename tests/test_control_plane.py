@@ -19,7 +19,8 @@ from tests.redis_server import RedisServer
 pytestmark = [pytest.mark.ray, pytest.mark.model]
 
 MODEL = "smollm2-135m-instruct"
-TTL_S = 1.5
+# the production TTL: heartbeats every 1 s, so a worker on a loaded host keeps its key through a 2 s stall
+TTL_S = 3.0
 # long system prompts (~130-200 tokens each), distinct from their first words
 SYSTEMS = [f"Assistant profile {i}. " + " ".join(p.split()[:110]) for i, p in enumerate(sharegpt_prompts(40)[20:])
            if len(p.split()) > 110][:9]
@@ -135,9 +136,9 @@ def test_a_worker_that_stops_heartbeating_leaves_the_registry_within_its_ttl(clu
 
     ray.get(actor.pause_heartbeat.remote(True))
     try:
-        # within the TTL, plus Redis's expiry cycle (10 Hz) and the event loop's delay on a loaded machine
-        gone = _until(lambda: "agg-1" not in {r.id for r in registry.registrations()}, TTL_S + 5, "agg-1 expiry")
-        assert gone <= TTL_S + 1.5
+        # within the TTL, plus Redis's expiry cycle (10 Hz) and the event loop's delay on a loaded machine (3 s)
+        gone = _until(lambda: "agg-1" not in {r.id for r in registry.registrations()}, TTL_S + 10, "agg-1 expiry")
+        assert gone <= TTL_S + 3.0, gone
         _until(lambda: "agg-1" not in {w.id for w in cluster.router.pool.workers()}, 5.0, "pool drops agg-1")
         assert cluster.router.index.position("agg-1") is None  # its index entries went with it
     finally:
@@ -218,7 +219,7 @@ def test_two_routers_serve_the_same_cluster_and_one_survives_the_other(cluster):
         r = Router(RedisRegistry(cluster.spec.registry_url), RouterConfig(
             port=0, http_port=None, mode="agg", internal_secret=cluster.controller.internal_secret))
         await r.start()
-        for _ in range(100):
+        for _ in range(600):  # 30 s: Info and the model's files from a worker busy on a loaded host
             if r.ready() and len(r.pool.workers()) == 2:
                 return r
             await asyncio.sleep(0.05)
