@@ -40,7 +40,7 @@ blocks hold exactly the prefill worker's bytes)."""
 def _run_all(spec, mode: str, status: list | None = None) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, greedy output ids) per prompt, all sent at once through the router; ``status``
     (if given) receives the router's ClusterStatus once some worker reports verified drafts (or
-    after 5 s)."""
+    after 30 s)."""
     from deploy.local_cluster import LocalServing
     from router.app import RouterConfig
 
@@ -60,9 +60,9 @@ def _run_all(spec, mode: str, status: list | None = None) -> list[tuple[list[int
         async with grpc.aio.insecure_channel(address) as ch:
             stub = api_pb2_grpc.GenerationStub(ch)
             outputs = await asyncio.gather(*(one(stub, p) for p in prompts))
-            for attempt in range(25 if status is not None else 0):   # the router polls worker stats
+            for attempt in range(150 if status is not None else 0):   # the router polls worker stats
                 st = await stub.ClusterStatus(api_pb2.ClusterStatusRequest())
-                if any(w.spec_draft_tokens for w in st.workers) or attempt == 24:
+                if any(w.spec_draft_tokens for w in st.workers) or attempt == 149:
                     status.append(st)
                     break
                 await asyncio.sleep(0.2)
