@@ -34,7 +34,15 @@ from engine.errors import UserError
 # DEFAULT_IDLE_MAX_NUM_BATCHED_TOKENS = 2048: engine/config.py (benchmarks build serve's engine from it too)
 # A step with decode rows takes that budget too when the requests waiting for their prompt are at
 # least this many times the decode rows (engine/config.py SchedulerConfig.prefill_first_ratio).
-# DEFAULT_PREFILL_FIRST_RATIO = 1.0: engine/config.py (benchmarks build serve's engine from it too)
+# 0.5, measured 2026-12-01 on `bench peers`' workload (32 ShareGPT prompts, 5,373 tokens, 64 out,
+# concurrency 16): after the burst's first 2048-token step ~10 rows decode while 6 prompts (~1,200
+# tokens) still wait; at 1.0 they were chunked 128 tokens a step behind the decode rows (10 more
+# steps, the burst's last first token later), at 0.5 they go in one step. Engine alone, closed loop,
+# interleaved in one process (heavy, load 3.5-3.9, so absolute figures are ~10x slow): 1.0 139 steps,
+# TTFT p99 19.3-20.3 s; 0.5 129 steps, 6.2-6.8 s; tok/s 18-29 vs 34-47. The scheduler alone with a
+# step-time model (15 ms + 0.45 ms a prefill token + 0.8 ms a decode row): TTFT p99 1722 -> 1487 ms,
+# ITL p99 77 -> 81 ms, tok/s +2.5%; no worse at 64 prompts x concurrency 8 or 32, or 256 tokens out.
+# DEFAULT_PREFILL_FIRST_RATIO = 0.5: engine/config.py (benchmarks build serve's engine from it too)
 # A prefill worker's step budget (disagg): it never decodes, so no ITL bounds it. Measured 2026-12-01
 # (quiet, `bench peers` workload, disagg 1P+1D, one core each, --local-prefill-threshold 128): 2048:
 # 371 output tok/s, 512: 300; every prompt through P at 128 with the old scheduler: 244. Each step also

@@ -11,7 +11,7 @@ from engine.spec_decode.config import SpeculativeConfig
 # deploy/runtime_options.py, which uses them; bench/closed_loop.py builds the same engine from them).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 128        # a step's token budget with decode rows in it
 DEFAULT_IDLE_MAX_NUM_BATCHED_TOKENS = 2048  # a step's budget with none (or prefill-first)
-DEFAULT_PREFILL_FIRST_RATIO = 1.0           # prefill-first while waiting prompts >= this x decode rows
+DEFAULT_PREFILL_FIRST_RATIO = 0.5           # prefill-first while waiting prompts >= this x decode rows
 DEFAULT_KV_CACHE_BYTES = 2 * 2**30          # a worker's KV cache (less where memory is short)
 
 Batching = Literal["continuous", "static"]
