@@ -22,7 +22,8 @@
 //      block converted to fp32 once and streamed through register tiles of up to 6 rows x
 //      head_dim accumulators.
 // Pass 1 also asks for K and V of the block PDSERVE_ATTN_L2_AHEAD (4) blocks on into L2 (and the
-// next K block into L1): block tables are shuffled, so no hardware prefetcher finds them, and with
+// next K block into L1; past an item's last block, the first blocks of the item its thread takes
+// next, claimed in advance): block tables are shuffled, so no hardware prefetcher finds them, and with
 // the next block only decode spent about 2/3 of its time waiting on DRAM (one thread, b16 ctx 256:
 // 430 us a layer with K/V cold, 119 us with them in cache).
 // PDSERVE_ATTN_DECODE=fp32 (read at each call) restores the fp32 P V and the one-block prefetch:
@@ -818,8 +819,24 @@ template <typename Q, typename KV>
 bool try_tile(const Item&, const Call<Q, KV>&, TileScratch&) { return false; }
 #endif
 
+// Block j (counted from its first key) of item f, K and V of its KV heads, into L2; nothing past
+// its keys. The block tables are shuffled: without this every item started on a DRAM miss.
 template <typename Q, typename KV>
-void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w) {
+void prefetch_first_blocks(const Item& f, int64_t j, const Call<Q, KV>& c) {
+  const int bs = c.block_size;
+  const int64_t qlen = c.query_start_loc[f.b + 1] - c.query_start_loc[f.b];
+  const int64_t k_end = f.k1 >= 0 ? f.k1 : c.seq_lens[f.b] - qlen + f.q1;
+  const int64_t kb = f.k0 / bs + j;
+  if (kb * bs >= k_end) return;
+  const int64_t at = c.block_tables[f.b * c.bt_stride + kb] * c.cs[0] + static_cast<int64_t>(f.h0) * c.cs[2];
+  const int n = static_cast<int>(std::min<int64_t>(bs, k_end - kb * bs));
+  const int64_t span = (f.nh - 1) * c.cs[2] + c.d;
+  prefetch_block(c.key_cache + at, c.cs[1], n, span, 1);
+  prefetch_block(c.value_cache + at, c.cs[1], n, span, 1);
+}
+
+template <typename Q, typename KV>
+void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w, const Item* following = nullptr) {
   const int d = c.d, group = c.group, bs = c.block_size;
   const int64_t first = c.query_start_loc[it.b];
   const int64_t qlen = c.query_start_loc[it.b + 1] - first;
@@ -886,11 +903,15 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w) {
       }
       if (c.l2_ahead > 1) {   // K and V l2_ahead blocks on into L2 (at the item's first block: the ones before too)
         const int64_t from = kb == it.k0 / bs ? kb + 2 : kb + c.l2_ahead;
-        for (int64_t far = from; far <= kb + c.l2_ahead && far < kb_end; ++far) {
-          const int64_t at = table[far] * c.cs[0] + static_cast<int64_t>(it.h0) * c.cs[2];
-          const int n_far = static_cast<int>(std::min<int64_t>(bs, k_end - far * bs));
-          prefetch_block(c.key_cache + at, c.cs[1], n_far, span, 1);
-          prefetch_block(c.value_cache + at, c.cs[1], n_far, span, 1);
+        for (int64_t far = from; far <= kb + c.l2_ahead; ++far) {
+          if (far < kb_end) {
+            const int64_t at = table[far] * c.cs[0] + static_cast<int64_t>(it.h0) * c.cs[2];
+            const int n_far = static_cast<int>(std::min<int64_t>(bs, k_end - far * bs));
+            prefetch_block(c.key_cache + at, c.cs[1], n_far, span, 1);
+            prefetch_block(c.value_cache + at, c.cs[1], n_far, span, 1);
+          } else if (following != nullptr) {   // past the item's end: the first blocks of this thread's next item
+            prefetch_first_blocks(*following, far - kb_end, c);
+          }
         }
       }
       for (int hh = 0; hh < nh; ++hh) {
@@ -1127,9 +1148,14 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, 
     Scratch w;
     TileScratch tw;
     // from the last item: a chunk's later tiles see more keys, and the costliest first balances best
-    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
+    // Each thread claims its next item before it starts the current one, so the current one's
+    // last blocks can ask for the next one's first (prefetch_first_blocks).
+    for (int64_t i = next.fetch_add(1); i < n_items;) {
+      const int64_t j = c.l2_ahead > 1 ? next.fetch_add(1) : -1;
       const Item& it = items[n_items - 1 - i];
-      if (!try_tile<Q, KV>(it, c, tw)) attend_item<Q, KV>(it, c, w);
+      const Item* following = j >= 0 && j < n_items ? &items[n_items - 1 - j] : nullptr;
+      if (!try_tile<Q, KV>(it, c, tw)) attend_item<Q, KV>(it, c, w, following);
+      i = j >= 0 ? j : next.fetch_add(1);
     }
   });
   for (const Split& s : splits) merge_partials<Q, KV>(s.tile, s.first_slot, s.n, c);
