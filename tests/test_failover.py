@@ -287,16 +287,18 @@ def test_a_worker_missing_its_polls_is_suspect_until_it_answers_again():
             await asyncio.sleep(0.02)
 
     async def go():
-        async with Cluster([("p0", "prefill"), ("d0", "decode")], rpc_timeout_s=0.5) as c:
+        # 1 s: short, as the test waits for missed polls, yet d0 (which must miss none, and add no
+        # event) would need this process stalled for a whole second to miss one
+        async with Cluster([("p0", "prefill"), ("d0", "decode")], rpc_timeout_s=1.0) as c:
             p = c.pool.get("p0")
             c.workers["p0"].stall_stats = True
-            await until(lambda: not p.alive, 5.0)
-            await asyncio.sleep(0.6)  # more missed polls: still one event
+            await until(lambda: not p.alive, 10.0)
+            await asyncio.sleep(1.2)  # more missed polls (one a second): still one event
             suspect, decode_polled = p.alive, c.pool.get("d0").missed_polls
             # new requests skip it: prefilled on the decode worker, no Prefill call
             got, _ = await c.run(c.orchestrator(), PROMPT)
             c.workers["p0"].stall_stats = False
-            await until(lambda: p.alive, 5.0)
+            await until(lambda: p.alive, 10.0)
             return suspect, decode_polled, got, p.alive, c.workers["p0"].calls, c.events.seen
 
     suspect, decode_missed, got, back, p_calls, events = asyncio.run(go())
