@@ -48,7 +48,8 @@ def test_worker_api_over_tls_with_the_secret(tls):
             stats = pool.get("agg-0").stats
             async with grpc.aio.insecure_channel(running.address) as ch:  # plaintext to a TLS port
                 try:
-                    await worker_pb2_grpc.WorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=2)
+                    # refused at the handshake (UNAVAILABLE) at once: the deadline is only headroom
+                    await worker_pb2_grpc.WorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=10)
                     plain = "served"
                 except grpc.RpcError as e:
                     plain = e.code()
@@ -124,7 +125,7 @@ def test_status_and_router_client_over_tls(tls, capsys):
         try:
             return [await asyncio.to_thread(status, *args) for args in (
                 ("--url", ep.grpc, "--tls-ca", tls.cert_file, "--api-key", "k3y", "--json"),
-                ("--url", ep.grpc, "--api-key", "k3y", "--timeout", "2"),
+                ("--url", ep.grpc, "--api-key", "k3y", "--timeout", "10"),  # refused at once: headroom only
                 ("--url", ep.grpc, "--tls-ca", tls.cert_file),
                 ("--url", ep.grpc, "--tls-ca", "/nonexistent/ca.pem"))]
         finally:
