@@ -25,6 +25,11 @@ from position 0 2455 -> 1056 us a layer (123 -> 287 GFLOP/s), after 512 cached t
 2855 us (119 -> 318 GFLOP/s), over an FP8 cache 2669 -> 1195 us; decode unchanged (b16 ctx 160
 ~70 us a layer, ~28 GB/s of K/V). ``pdserve bench attention`` (median, same run): 0.74 ms wall
 (411 GFLOP/s) from 0 against the reference's 8.9 ms of CPU time.
+Decode with the bf16 pair PV and the L2 prefetch (2026-12-01, one thread, load 1.8-9 on 2 cores,
+A/B against ``PDSERVE_ATTN_DECODE=fp32`` in one process, best of 9, CPU time, shuffled tables,
+K/V cold): b16 ctx 256 355 -> 255 us a layer, b16 ctx 1024 1389 -> 964, b32 ctx 256 709 -> 495,
+b32 ctx 1024 2721 -> 1932 (1.39-1.44x; 9 -> 13 GB/s of K/V), 4-token verification runs 1.24x;
+an FP8 cache 1.07-1.15x (its K/V conversion to bf16 now costs the most).
 
 The extension is built once per machine with ``torch.utils.cpp_extension.load`` (``-O3
 -march=native -fopenmp``) into a cache directory keyed by the CPU capability and torch version
