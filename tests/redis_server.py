@@ -45,14 +45,14 @@ class RedisServer:
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self.dir, "--daemonize", "no", "--loglevel", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_timeout=0.5)
+        client = redis.Redis(port=self.port, socket_timeout=2.0)
         end = time.monotonic() + timeout_s
         while True:
             try:
                 client.ping()
                 client.close()
                 return
-            except redis.ConnectionError:
+            except (redis.ConnectionError, redis.TimeoutError):  # not up yet / slow to answer on a loaded host
                 if self.proc.poll() is not None or time.monotonic() > end:
                     raise RuntimeError(f"redis-server did not start on port {self.port}") from None
                 time.sleep(0.02)
