@@ -42,6 +42,9 @@ from engine.errors import UserError
 # TTFT p99 19.3-20.3 s; 0.5 129 steps, 6.2-6.8 s; tok/s 18-29 vs 34-47. The scheduler alone with a
 # step-time model (15 ms + 0.45 ms a prefill token + 0.8 ms a decode row): TTFT p99 1722 -> 1487 ms,
 # ITL p99 77 -> 81 ms, tok/s +2.5%; no worse at 64 prompts x concurrency 8 or 32, or 256 tokens out.
+# Served (quiet, `bench peers --no-floors`, agg defaults, one server at a time; load 2.2 at start):
+# 0.5 388.2 tok/s, TTFT p50/p99 922 / 1176 ms, ITL p99 88; 1.0 374.2, 899 / 1255, 113. An earlier
+# quiet pair (1.0 first: 369.5, 928 / 1273) had the 0.5 server disturbed (median ITL 35 vs 25 ms).
 # DEFAULT_PREFILL_FIRST_RATIO = 0.5: engine/config.py (benchmarks build serve's engine from it too)
 # A prefill worker's step budget (disagg): it never decodes, so no ITL bounds it. Measured 2026-12-01
 # (quiet, `bench peers` workload, disagg 1P+1D, one core each, --local-prefill-threshold 128): 2048:
