@@ -205,6 +205,27 @@ def test_fp8_cache_is_read_with_its_scales(cpu, batch, per_head):
     assert got16.dtype == torch.bfloat16 and err < 1.6e-2 and err <= ref_err + 1e-6
 
 
+@pytest.mark.parametrize("query_len", [1, 16])   # the decode rows and the prefill tiles convert blocks alike
+def test_fp8_values_are_read_exactly_with_bf16_queries(cpu, query_len):
+    """Every E4M3 byte but NaN, as V of the only visible key (softmax weight exactly 1): the
+    output is V x v_scale exactly, so the kernel's E4M3 -> bf16 conversion loses nothing
+    (subnormals, both signs, the largest finite 448 included)."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)   # 254 values
+    values = torch.zeros(256, dtype=torch.uint8)
+    values[:codes.numel()] = codes
+    vc = torch.zeros(2, 16, 4, 64, dtype=torch.uint8)
+    vc[0, :, :, :] = values.view(4, 64)   # every token of block 0 holds the 256 codes
+    vc = vc.view(torch.float8_e4m3fn)
+    kc = torch.zeros_like(vc)   # all scores equal: with one visible key its weight is 1
+    query = torch.randn(query_len, 4, 64).to(torch.bfloat16)
+    meta = AttentionMetadata.build([0], [query_len], [[0, 1]], 16, dtype=torch.bfloat16,
+                                   groups=cpu_attention.CpuAttention.metadata_groups)
+    scale = torch.tensor([0.5])
+    got = cpu.paged_attention(query, kc, vc, meta, 0.125, k_scale=scale, v_scale=scale)
+    want = (values.view(torch.float8_e4m3fn).float() * 0.5).view(4, 64)
+    assert torch.equal(got[0].float(), want)   # the first query sees key 0 only
+
+
 def test_fp8_scales_are_checked(cpu):
     query, (k8, v8), _, (ks, vs), _, lean = fp8_case(BATCHES["decode"], kv_heads=3, per_head=True)
     with pytest.raises(ValueError, match="needs k_scale and v_scale"):

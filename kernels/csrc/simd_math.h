@@ -33,6 +33,23 @@ inline __m512 load16(const at::Float8_e4m3fn* p) {
   return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, mag)), _mm512_set1_ps(256.0f));
 }
 
+#if defined(__AVX512BW__)
+// 32 E4M3 bytes as 32 bf16, exactly (E4M3's 4 significant bits fit bf16's 8), without going
+// through fp32: a normal value's exponent and mantissa fields move into bf16's with the bias
+// changed from 7 to 127 (+ 120 << 7); a subnormal (exponent field 0: m x 2^-9) comes from an
+// 8-entry table. NaN (0x7F/0xFF) reads as 480, as load16 reads it.
+inline __m512i e4m3_to_bf16x32(const at::Float8_e4m3fn* p) {
+  alignas(64) static const uint16_t subnormal[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7F));
+  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8);
+  const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(0x3C00));
+  const __m512i small = _mm512_permutexvar_epi16(mag, _mm512_load_si512(subnormal));   // index: mag's low 5 bits
+  const __mmask32 is_small = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8));
+  return _mm512_or_si512(sign, _mm512_mask_blend_epi16(is_small, normal, small));
+}
+#endif
+
 // exp(x) for x <= 0 (softmax scores minus their running max, -|x| of a sigmoid):
 // 2^n * P(r), n = round(x / ln2), r = x - n ln2 (ln2 split in two parts, Cody-Waite),
 // |r| <= ln2/2, P the degree-6 Taylor polynomial (relative error ~2e-7); x below -87 gives ~0.
