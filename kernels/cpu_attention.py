@@ -29,7 +29,8 @@ Decode with the bf16 pair PV and the L2 prefetch (2026-12-01, one thread, load 1
 A/B against ``PDSERVE_ATTN_DECODE=fp32`` in one process, best of 9, CPU time, shuffled tables,
 K/V cold): b16 ctx 256 355 -> 255 us a layer, b16 ctx 1024 1389 -> 964, b32 ctx 256 709 -> 495,
 b32 ctx 1024 2721 -> 1932 (1.39-1.44x; 9 -> 13 GB/s of K/V), 4-token verification runs 1.24x;
-an FP8 cache 1.07-1.15x (its K/V conversion to bf16 now costs the most).
+an FP8 cache 1.07-1.15x, and then 1.16-1.28x more from converting its blocks to bf16 by bit moves
+instead of through fp32.
 
 The extension is built once per machine with ``torch.utils.cpp_extension.load`` (``-O3
 -march=native -fopenmp``) into a cache directory keyed by the CPU capability and torch version
