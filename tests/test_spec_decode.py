@@ -537,3 +537,23 @@ def test_a_new_request_starts_at_the_pooled_acceptance():
     assert spec.counters.num_accepted_tokens == 16 and spec.pooled_acceptance.value > 0.9
     assert spec._rate("new").value == pytest.approx(spec.pooled_acceptance.value)
     assert spec._previous_k("new") == 2  # and the hysteresis state of the latest row
+
+
+def test_a_row_without_room_leaves_the_latest_k():
+    """A request's last rows (at max_tokens, room 0) run with k = 0 for want of room, not because
+    drafts stopped paying: the next request still starts from the k before them."""
+    from engine.spec_decode.draft import DraftModelProposer
+
+    s = make()
+    decoding(s, "a", n=30, max_tokens=5)  # 1 token out: room 2 -> k = 2, then room 0
+    spec = Speculator(SpeculativeConfig("draft", 2, model="x", adaptive=False), max_model_len=1024,
+                      proposer=DraftModelProposer(_FakeDraftRunner(), VOCAB))
+    plan = s.schedule(spec.drafts(s.running))
+    result = StepResult(verified={"a": (5, 5, 7)})
+    spec.observe(plan, result, seconds=0.02)
+    s.update(plan, result)
+    assert spec.latest_k == 2 and spec.room(s.running[0]) == 0
+    plan = s.schedule(spec.drafts(s.running))
+    assert [len(c.draft_token_ids) for c in plan.chunks] == [0]
+    spec.observe(plan, StepResult({"a": 7}), seconds=0.02)
+    assert spec.previous_k["a"] == 0 and spec.latest_k == 2 and spec._previous_k("next") == 2
