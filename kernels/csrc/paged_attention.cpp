@@ -960,7 +960,13 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w, const Item* f
           live_rows = r + 1;
       }
     if (live_rows == 0) continue;
-    // 3. values
+    // 3. values; both P V paths read block kb while the V block PDSERVE_ATTN_PREFETCH_AHEAD on comes into L1
+    const auto prefetch_v_ahead = [&](int64_t kb) {
+      const int64_t ahead = PDSERVE_ATTN_PREFETCH_AHEAD;
+      if (kb + ahead >= kb1) return;
+      const int64_t next = table[kb + ahead] * c.cs[0] + static_cast<int64_t>(it.h0) * c.cs[2];
+      prefetch_block(c.value_cache + next, c.cs[1], static_cast<int>(std::min<int64_t>(bs, p1 - (kb + ahead) * bs)), span, 0);
+    };
 #if defined(__AVX512BF16__)
     if (native_pv) {
       for (int hh = 0; hh < nh; ++hh) {
@@ -971,11 +977,7 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w, const Item* f
       for (int64_t kb = kb0; kb < kb1; ++kb) {
         const int64_t base = kb * bs;
         const int n = static_cast<int>(std::min<int64_t>(bs, p1 - base));
-        if (kb + PDSERVE_ATTN_PREFETCH_AHEAD < kb1) {
-          const int64_t ahead = PDSERVE_ATTN_PREFETCH_AHEAD;
-          const int64_t next = table[kb + ahead] * c.cs[0] + static_cast<int64_t>(it.h0) * c.cs[2];
-          prefetch_block(c.value_cache + next, c.cs[1], static_cast<int>(std::min<int64_t>(bs, p1 - base - ahead * bs)), span, 0);
-        }
+        prefetch_v_ahead(kb);
         for (int hh = 0; hh < nh; ++hh) {
           const int64_t off = table[kb] * c.cs[0] + static_cast<int64_t>(it.h0 + hh) * c.cs[2];
           const size_t hr0 = static_cast<size_t>(hh) * rows;
@@ -999,11 +1001,7 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w, const Item* f
     for (int64_t kb = kb0; kb < kb1; ++kb) {
       const int64_t base = kb * bs;
       const int n = static_cast<int>(std::min<int64_t>(bs, p1 - base));
-      if (kb + PDSERVE_ATTN_PREFETCH_AHEAD < kb1) {
-        const int64_t ahead = PDSERVE_ATTN_PREFETCH_AHEAD;
-        const int64_t next = table[kb + ahead] * c.cs[0] + static_cast<int64_t>(it.h0) * c.cs[2];
-        prefetch_block(c.value_cache + next, c.cs[1], static_cast<int>(std::min<int64_t>(bs, p1 - base - ahead * bs)), span, 0);
-      }
+      prefetch_v_ahead(kb);
       for (int hh = 0; hh < nh; ++hh) {
         const int64_t off = table[kb] * c.cs[0] + static_cast<int64_t>(it.h0 + hh) * c.cs[2];
         const size_t hr0 = static_cast<size_t>(hh) * rows;
