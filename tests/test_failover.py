@@ -26,6 +26,7 @@ from router.leg_timeouts import LegTimeouts, WorkRate
 from router.orchestrator import FlowConfig, Orchestrator
 from router.pool import WorkerPool
 from router.registry import StaticRegistry, WorkerEndpoint
+from tests.polling import until
 
 FAST = LegTimeouts(floor_s=0.5, slack=2.0, default_s_per_token=0.001, default_gap_s=0.05)
 STEP_TOKENS = 1024  # the fake workers' step budget (WorkerInfo.max_step_tokens), for the stall bound
@@ -281,24 +282,19 @@ def test_migration_limit_zero_fails_the_stream():
 
 
 def test_a_worker_missing_its_polls_is_suspect_until_it_answers_again():
-    async def until(cond, limit_s: float) -> None:
-        deadline = time.monotonic() + limit_s
-        while not cond() and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-
     async def go():
         # 1 s: short, as the test waits for missed polls, yet d0 (which must miss none, and add no
         # event) would need this process stalled for a whole second to miss one
         async with Cluster([("p0", "prefill"), ("d0", "decode")], rpc_timeout_s=1.0) as c:
             p = c.pool.get("p0")
             c.workers["p0"].stall_stats = True
-            await until(lambda: not p.alive, 10.0)
+            await until(lambda: not p.alive, 10.0, "p0 suspect after its missed polls")
             await asyncio.sleep(1.2)  # more missed polls (one a second): still one event
             suspect, decode_polled = p.alive, c.pool.get("d0").missed_polls
             # new requests skip it: prefilled on the decode worker, no Prefill call
             got, _ = await c.run(c.orchestrator(), PROMPT)
             c.workers["p0"].stall_stats = False
-            await until(lambda: p.alive, 10.0)
+            await until(lambda: p.alive, 10.0, "p0 live again once it answers")
             return suspect, decode_polled, got, p.alive, c.workers["p0"].calls, c.events.seen
 
     suspect, decode_missed, got, back, p_calls, events = asyncio.run(go())
@@ -367,9 +363,8 @@ def test_wedged_worker_that_answers_its_polls_is_migrated_after_the_stall_bound(
             await asyncio.sleep(0.5)  # ~10 answered polls without progress
             held = handle.alive
             wedged.progressing = True
-            deadline = time.monotonic() + 10.0  # live at the first poll that sees the counter move (50 ms)
-            while not handle.alive and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
+            # live at the first poll that sees the counter move (50 ms)
+            await until(lambda: handle.alive, 10.0, "the wedged worker live again once it progresses")
             return c, got, waited, orch, wedged, stall_s, chunk_s, held, handle.alive
 
     c, got, waited, orch, wedged, stall_s, chunk_s, held, back = asyncio.run(go())

@@ -13,21 +13,12 @@ import pytest
 from proto.registry import WorkerRegistration, parse_url
 from router.redis_registry import RedisRegistry
 from worker.registration import RedisRegistration
+from tests.polling import until
 from tests.redis_server import RedisServer
 
 
 def _reg(i: int) -> WorkerRegistration:
     return WorkerRegistration(f"agg-{i}", "agg", f"127.0.0.1:{5000 + i}", "smollm2", "fp32/16", 256)
-
-
-async def _until(pred, timeout_s: float) -> float:
-    """Seconds until pred() holds; fails after timeout_s."""
-    start = time.monotonic()
-    while not pred():
-        if time.monotonic() - start > timeout_s:
-            pytest.fail(f"condition not met in {timeout_s}s")
-        await asyncio.sleep(0.02)
-    return time.monotonic() - start
 
 
 # 2 s: heartbeats every 0.67 s, so a loaded host must stall this process for over 1.3 s to lose a key
@@ -41,19 +32,19 @@ def test_workers_register_leave_on_drain_and_expire_without_heartbeat(redis_clie
         a, b = (RedisRegistration(redis_server.url, _reg(i), ttl_s=TTL_S) for i in range(2))
         await a.start()
         await b.start()
-        await _until(lambda: len(registry.registrations()) == 2, 10.0)
+        await until(lambda: len(registry.registrations()) == 2, 10.0)
         assert registry.registrations()[0] == replace(_reg(0), ttl_s=TTL_S) and registry.connected
         assert 0 < redis_client.pttl("pdserve:worker:agg-0") <= TTL_S * 1000
         await asyncio.sleep(TTL_S + 0.5)  # past one TTL: the heartbeat keeps both
         assert registry.connected
         assert len(await registry.list_workers()) == 2
         b.paused = True  # stops heartbeating
-        gone_after = await _until(lambda: [r.id for r in registry.registrations()] == ["agg-0"], TTL_S + 10.0)
+        gone_after = await until(lambda: [r.id for r in registry.registrations()] == ["agg-0"], TTL_S + 10.0)
         # the TTL plus Redis's expiry cycle (10 Hz) and a loaded machine's delay (3 s of it); without the
         # expiry notification the view would hold it until the 60 s resync
         assert gone_after <= TTL_S + 3.0, gone_after
         await a.stop()  # drain: deregistered at once
-        await _until(lambda: registry.registrations() == [], 10.0)
+        await until(lambda: registry.registrations() == [], 10.0)
         await b.stop()
         await registry.close()
 
@@ -66,14 +57,14 @@ def test_redis_down_keeps_the_last_view_and_recovers():
         await registry.start()
         worker = RedisRegistration(server.url, _reg(0), ttl_s=0.6)
         await worker.start()
-        await _until(lambda: len(registry.registrations()) == 1, 10.0)
+        await until(lambda: len(registry.registrations()) == 1, 10.0)
         server.kill()
-        await _until(lambda: not registry.connected, 10.0)
+        await until(lambda: not registry.connected, 10.0)
         await asyncio.sleep(1.0)  # past the TTL: the view must not forget the worker
         assert [w.id for w in await registry.list_workers()] == ["agg-0"]
         worker.paused = True  # so that Redis comes back without the worker's key for a while
         server.start()  # empty: no persistence
-        await _until(lambda: registry.connected, 15.0)
+        await until(lambda: registry.connected, 15.0)
         for _ in range(10):  # the empty Redis must not empty the view before heartbeats could re-register
             assert [w.id for w in await registry.list_workers()] == ["agg-0"]
             await asyncio.sleep(0.03)
