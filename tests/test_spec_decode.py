@@ -557,3 +557,27 @@ def test_a_row_without_room_leaves_the_latest_k():
     assert [len(c.draft_token_ids) for c in plan.chunks] == [0]
     spec.observe(plan, StepResult({"a": 7}), seconds=0.02)
     assert spec.previous_k["a"] == 0 and spec.latest_k == 2 and spec._previous_k("next") == 2
+
+
+def test_estimates_age_out_when_speculation_stays_off(monkeypatch):
+    """A draft cost measured in a load spike keeps an adaptive policy at k = 0, and k = 0 measures
+    nothing more: after REARM_STEPS such steps the estimates return to their priors and the next
+    row is drafted (and measured) again. Rows without room do not count."""
+    import engine.spec_decode.speculator as speculator
+    from engine.spec_decode.draft import DraftModelProposer
+
+    monkeypatch.setattr(speculator, "REARM_STEPS", 8)
+    s = make()
+    decoding(s, "a", n=30, max_tokens=200)
+    spec = Speculator(SpeculativeConfig("draft", 2, model="x"), max_model_len=1024,
+                      proposer=DraftModelProposer(_FakeDraftRunner(), VOCAB))
+    spec.time_model = StepTimeModel(prior_a=0.02, prior_b=0.0001)  # a verified token is nearly free
+    spec.draft_cost.ratio = 5.0  # but a draft forward was measured at 5 target steps
+    for step in range(8):
+        drafts = spec.drafts(s.running)
+        assert drafts == {} and spec.counters.num_rearms == 0
+        plan = s.schedule(drafts)
+        spec.observe(plan, StepResult({"a": 7}), seconds=0.02)
+        s.update(plan, StepResult({"a": 7}))
+    assert spec.counters.num_rearms == 1 and spec.draft_cost.ratio == pytest.approx(0.5)
+    assert spec.drafts(s.running)["a"][:1] == (5,)  # drafted again (k = 1 at the start margin)

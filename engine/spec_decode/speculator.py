@@ -11,6 +11,14 @@ Each step (engine/llm_engine.py):
 4. ``prefill_drafts(updated)``: a draft model prefills the prompts whose first token was just
    sampled (engine/spec_decode/draft.py).
 
+Estimates age out: an adaptive policy that keeps every row at k = 0 measures nothing more, so
+acceptance scored by a run of unlucky requests, or a draft cost measured in a load spike, would
+keep speculation off for good. After ``REARM_STEPS`` steps in a row whose speculable rows had
+room but ran with k = 0, the pooled acceptance and the draft cost return to their priors: the
+next rows whose first draft pays at the priors and this load are drafted and measured again. The
+cost is bounded: where drafting really does not pay, one draft prefill and a step or two of
+drafting per REARM_STEPS steps; at high load the priors do not pay either, and nothing runs.
+
 Penalties and min_tokens are honoured exactly: each draft position is sampled with the output
 extended by the drafts before it (rejection.verify_one_hot). Requests that ask for logprobs are
 never speculated (k = 0, the plain decode row): the verification path does not return them yet.
@@ -30,6 +38,11 @@ from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer
 
 
+REARM_STEPS = 1024
+"""Steps with room for drafts but none verified after which the estimates return to their priors
+(at c1 here ~13 s; one re-measurement there costs ~0.2 s: under 2%)."""
+
+
 def can_speculate(params: SamplingParams) -> bool:
     """Whether drafts for this request are verified (see the module docstring)."""
     return getattr(params, "logprobs", None) is None
@@ -40,12 +53,14 @@ class SpecCounters:
     """num_drafts: verification rows (requests verified, summed over steps);
     num_draft_tokens / num_accepted_tokens: drafts verified / accepted;
     num_verify_steps: steps with at least one verification row;
+    num_rearms: times the estimates returned to their priors (the module docstring);
     k_histogram[k]: decode rows of speculable requests scheduled with k drafts."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verify_steps: int = 0
+    num_rearms: int = 0
     k_histogram: list[int] = field(default_factory=list)
 
 
@@ -64,7 +79,7 @@ class Speculator:
         self.draft_cost = None if self.proposer.is_free else DraftCost()
         # a draft model is chosen to agree with its target (an 8-bit copy of the bundled model:
         # ~93%), prompt lookup often finds nothing worth much: the priors before any verification
-        prior = 0.5 if self.proposer.is_free else 0.8
+        self._prior = prior = 0.5 if self.proposer.is_free else 0.8
         # a new request starts at what every request's drafts scored lately (a draft model's
         # agreement is mostly the model pair's): with a fixed prior below the break-even, a new
         # request was never drafted for, so its estimate never moved (int8 self-draft at c1,
@@ -80,6 +95,7 @@ class Speculator:
         self.counters = SpecCounters(k_histogram=[0] * (config.num_speculative_tokens + 1))
         self._candidates: frozenset[str] = frozenset()
         self._no_room: frozenset[str] = frozenset()  # candidates whose k was 0 for want of room
+        self._idle_steps = 0  # steps in a row with room for drafts and none verified (REARM_STEPS)
 
     # ---- 1. proposing ------------------------------------------------------------------------
     def room(self, req: Request) -> int:
@@ -198,3 +214,19 @@ class Speculator:
                                                                        c.num_accepted_tokens + accepted)
             verified += 1
         c.num_verify_steps += bool(verified)
+        self._age(plan, verified)
+
+    def _age(self, plan: SchedulePlan, verified: int) -> None:
+        """Count steps whose speculable rows had room but verified nothing; at REARM_STEPS, back
+        to the priors (the module docstring). Only an adaptive policy turns itself off."""
+        if not self.config.adaptive:
+            return
+        had_room = any(ch.request_id in self._candidates and ch.request_id not in self._no_room for ch in plan.chunks)
+        self._idle_steps = 0 if verified or not had_room else self._idle_steps + 1
+        if self._idle_steps >= REARM_STEPS:
+            self._idle_steps = 0
+            self.pooled_acceptance = AcceptanceRate(prior=self._prior, decay=0.99)
+            self.acceptance.clear()
+            if self.draft_cost is not None:
+                self.draft_cost = DraftCost()
+            self.counters.num_rearms += 1
