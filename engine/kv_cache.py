@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.huge_pages import advise_huge_pages
+
 KV_LAYOUT = "LKBTHD"
 
 
@@ -95,7 +97,11 @@ class PagedKVCache:
 
     def __init__(self, spec: KVCacheSpec, device: torch.device | str = "cpu") -> None:
         self.spec = spec
-        self.data = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+        # On huge pages where the OS allows (engine/huge_pages.py): decode attention reads blocks
+        # scattered over the whole cache. Advised before the zeroing, which faults the pages in.
+        self.data = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+        advise_huge_pages(self.data)
+        self.data.zero_()
 
     def key(self, layer: int) -> torch.Tensor:
         """[num_blocks, block_size, num_kv_heads, head_dim] view of layer ``layer``'s K."""
