@@ -17,6 +17,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field, replace
+from typing import Mapping
 
 from engine.spec_decode.config import SpeculativeConfig
 from proto.tls import TlsFiles
@@ -248,7 +249,7 @@ class ClusterController:
         return self._actor_cls.options(
             name=f"pdserve-{c.worker_id}-{os.getpid()}", num_cpus=self.spec.num_cpus_per_worker,
             num_gpus=self.spec.num_gpus_per_worker, resources=self.spec.role_resources(c.role),
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(c.num_threads), **_debug_env()}}).remote(
+            runtime_env={"env_vars": worker_env(c.num_threads)}).remote(
                 c, self.spec.registry_url, self.spec.registry_ttl_s)
 
     async def start(self, timeout_s: float | None = None) -> None:
@@ -413,10 +414,32 @@ class ClusterController:
             ray.kill(a, no_restart=True)
 
 
-def _debug_env() -> dict[str, str]:
+# GNU OpenMP's wait settings, read once when torch loads libgomp, so they must be in the actor's
+# environment from its start. Unset, libgomp spins ~300k rounds at each barrier before it sleeps.
+# Measured 2026-12-02 (agg defaults, bench peers' workload: 32 ShareGPT prompts, 64 tokens, c16):
+# quiet host (load 2-3 decaying): default 493 tok/s, GOMP_SPINCOUNT=1000 434, OMP_WAIT_POLICY=PASSIVE
+# 364 (decode step b16 p50 17.9 / 20.6 / 25.9 ms); host loaded by other jobs (load 3.4-4.3, two
+# rounds each): default 82 / 64, GOMP_SPINCOUNT=10000 108 / 112, PASSIVE 293 / 294. So the default
+# stays libgomp's, and a user on a shared host sets OMP_WAIT_POLICY=PASSIVE for `pdserve serve`.
+OPENMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def worker_env(num_threads: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The env_vars of a worker actor's runtime_env: OMP_NUM_THREADS = num_threads, and from
+    ``environ`` (default: this process's) the OpenMP wait settings the user set (OPENMP_WAIT_VARS)
+    and the PDSERVE_DEBUG_* hooks. Passed explicitly because the actors of a joined Ray cluster
+    (--ray-address) do not inherit the driver's environment."""
+    environ = os.environ if environ is None else environ
+    env = {"OMP_NUM_THREADS": str(num_threads)}
+    env.update({k: environ[k] for k in OPENMP_WAIT_VARS if environ.get(k)})
+    env.update(_debug_env(environ))
+    return env
+
+
+def _debug_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The driver's PDSERVE_DEBUG_* variables (debug hooks such as a corrupted FP8 scale), for the
     actors: a joined Ray cluster's workers do not inherit the driver's environment."""
-    return {k: v for k, v in os.environ.items() if k.startswith("PDSERVE_DEBUG_")}
+    return {k: v for k, v in (os.environ if environ is None else environ).items() if k.startswith("PDSERVE_DEBUG_")}
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:

@@ -253,3 +253,16 @@ def test_a_command_that_exits_with_a_status_keeps_it(capsys, monkeypatch):
     cli.app.command("other")(lambda: None)  # two commands, so "fails" is a sub-command
     code, _ = _run(["fails"], capsys)
     assert code == 3
+
+
+def test_worker_env_carries_threads_the_openmp_wait_settings_and_debug_hooks_only():
+    """A worker actor's runtime_env: its thread count (not the driver's), the libgomp wait settings
+    the user set (read when torch loads, so they must be there from the start; a joined Ray
+    cluster's actors do not inherit the driver's environment) and PDSERVE_DEBUG_* hooks; nothing else."""
+    from deploy.cluster import worker_env
+
+    environ = {"OMP_NUM_THREADS": "7", "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "", "HOME": "/root",
+               "PDSERVE_DEBUG_FP8_SCALE": "0"}
+    assert worker_env(2, environ) == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE",
+                                      "PDSERVE_DEBUG_FP8_SCALE": "0"}
+    assert worker_env(1, {"GOMP_SPINCOUNT": "1000"}) == {"OMP_NUM_THREADS": "1", "GOMP_SPINCOUNT": "1000"}
