@@ -3,7 +3,8 @@
 For each server (a name and a command line): start it in its own process group, wait until
 its OpenAI API answers ``/v1/models``, run the ``bench serve`` client against it (same prompts,
 same flags for every server), sample the resident memory of its whole process tree (Ray's and
-vLLM's child processes included) every 0.25 s, stop it (SIGINT, then SIGKILL after a grace
+vLLM's child processes included) every 0.25 s and the CPU seconds of its processes, of the
+client and of the rest of the host while it is measured (bench/cpu_usage.py), stop it (SIGINT, then SIGKILL after a grace
 period), then the next. Before the first server starts, the machine's GEMM peak and memcpy
 bandwidth are measured (bench/floors.py); each server's row gives its throughput as a ratio of
 the first server's (the reference) and as a fraction of the workload's floor on this machine
@@ -37,6 +38,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from bench.cpu_usage import CpuWindow, usage_line
 from engine.errors import UserError
 
 READY_TIMEOUT_S = 900.0   # vLLM's first start compiles for minutes on a CPU
@@ -107,6 +109,7 @@ def command(
         print(floors_line(machine, results))
     print(peers_table(results))
     print(rss_breakdown(results))
+    print(cpu_breakdown(results))
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(doc, indent=2))
@@ -138,7 +141,9 @@ def run_one(spec: ServerSpec, port: int, num_prompts: int, max_tokens: int, max_
                           sweep=False, attainment_target=0.9, ignore_eos=ignore_eos, include_usage=True,
                           timeout_s=600.0)
         sampler.reset_peak()  # the peak while serving, at its configured cache size
-        outcome = asyncio.run(_sampled(run_benchmark(bench), sampler))
+        cpu = CpuWindow(proc.pid, process_label)
+        outcome = asyncio.run(_sampled(run_benchmark(bench), sampler, cpu))
+        out["cpu"] = cpu.finish().as_dict()
         out["result"] = {k: v for k, v in outcome.doc.items() if k != "requests"}
         out["prompt_lens"] = [r["prompt_len"] for r in outcome.doc.get("requests", ()) if r.get("success")]
     except Exception as e:  # a peer that cannot start is a row with its error, not a crash of the whole run
@@ -208,11 +213,13 @@ async def wait_ready(url: str, proc: subprocess.Popen, sampler: "RssSampler") ->
     raise RuntimeError(f"server not ready after {READY_TIMEOUT_S:.0f} s")
 
 
-async def _sampled(coro, sampler: "RssSampler"):
-    """Run coro while sampling RSS every 0.25 s."""
+async def _sampled(coro, sampler: "RssSampler", cpu: CpuWindow | None = None):
+    """Run coro while sampling RSS (and the CPU window, if given) every 0.25 s."""
     task = asyncio.ensure_future(coro)
     while not task.done():
         sampler.sample()
+        if cpu is not None:
+            cpu.sample()
         await asyncio.wait({task}, timeout=0.25)
     return task.result()
 
@@ -352,6 +359,14 @@ def rss_breakdown(results: list[dict[str, Any]]) -> str:
             times = f" x{p['count']}" if p["count"] > 1 else ""
             parts.append(f"{p['process']}{times} {p['rss_mib']:.0f}")
         lines.append(f"  {r['name']}: " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+def cpu_breakdown(results: list[dict[str, Any]]) -> str:
+    """Per server, the CPU seconds of its processes, of the client and of the rest of the host
+    while it was measured (bench/cpu_usage.py): a row with a large 'other' was disturbed."""
+    lines = ["CPU during each measurement (s; 'other': the host's busy CPU outside the server and the client):"]
+    lines += [usage_line(r["name"], r["cpu"]) for r in results if "cpu" in r]
     return "\n".join(lines)
 
 

@@ -112,3 +112,46 @@ def test_engine_row_runs_the_closed_loop_with_serve_defaults(model_path):
     assert engine.block_manager.num_used_blocks == 0
     argv = engine_row_command("m", 32, 64, 16, False, 2, None)
     assert argv[1:3] == ["-m", "bench.closed_loop"] and "--no-ignore-eos" in argv and "--dataset-path" not in argv
+
+
+def test_cpu_window_counts_by_label_from_the_window_start_and_the_rest_of_the_host():
+    from bench.cpu_usage import CpuUsage, by_label, host_busy_seconds, usage_line
+
+    # /proc/stat: user nice system idle iowait irq softirq steal -> busy = all but idle and iowait
+    assert host_busy_seconds("cpu  100 5 50 900 40 3 2 1 0 0\ncpu0 1 2 3 4\n", 100) == 1.61
+    with pytest.raises(ValueError):
+        host_busy_seconds("intr 1 2\n", 100)
+    start = {1: ("router", 2.0), 2: ("ray::WorkerActor", 10.0), 3: ("raylet", 1.0)}
+    last = {1: ("router", 2.5), 2: ("ray::WorkerActor", 21.0), 3: ("raylet", 1.25), 4: ("raylet", 0.5)}
+    assert by_label(start, last) == [("ray::WorkerActor", 1, 11.0), ("raylet", 2, 0.75), ("router", 1, 0.5)]
+    usage = CpuUsage(8.0, tuple(by_label(start, last)), client_cpu_s=1.0, host_busy_cpu_s=15.5,
+                     load_1m_start=2.0, load_1m_end=2.5)
+    doc = usage.as_dict()
+    assert (doc["server_cpu_s"], doc["other_cpu_s"]) == (12.25, 2.25)
+    line = usage_line("pdserve-agg", doc)
+    assert "raylet x2 0.8" in line and "other 2.2" in line and "load 2.0 -> 2.5" in line
+    assert CpuUsage(1.0, (), 0.0, None, 0.0, 0.0).as_dict()["other_cpu_s"] is None
+
+
+def test_cpu_window_measures_a_busy_child():
+    """A child that burns CPU: its label gets it (its own process), and the host's busy time covers it."""
+    from bench.cpu_usage import CpuWindow
+
+    code = ("import sys, time\nsys.stdin.readline()\nt = time.process_time()\n"
+            "while time.process_time() - t < 0.3: pass\ntime.sleep(30)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+    try:
+        window = CpuWindow(child.pid, process_label)   # before the child burns (it waits for a line)
+        child.stdin.write(b"go\n")
+        child.stdin.flush()
+        import time
+
+        deadline = time.monotonic() + 20
+        while window.finish().server_cpu_s < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        usage = window.finish()
+        assert usage.server_cpu_s >= 0.3 and usage.by_process[0][1] == 1
+        assert usage.host_busy_cpu_s is None or usage.host_busy_cpu_s >= 0.3
+    finally:
+        child.kill()
+        child.wait()
