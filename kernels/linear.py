@@ -17,8 +17,9 @@ threads), so 30 layers of one shape are measured once; ``kernel_summary`` names 
   chosen kernels' weight copies are kept.
 - ``Int8Linear`` (``int8``): per-output-channel symmetric int8 weights, ``q = round(W / s)``,
   ``s = amax(|W_row|) / 127``, activations quantized dynamically per token and group of
-  ``ACT_GROUP`` channels. Kernels: ours for bf16 on CPUs with AVX512-VNNI (kernels/csrc/int8_gemm.cpp,
-  vpdpbusd on the int8 weight tiles), and the dense GEMM on the dequantized operands (elsewhere).
+  ``ACT_GROUP`` channels (or a wider group per linear: engine/quantization/apply.py). Kernels:
+  ours for bf16 on CPUs with AVX512-VNNI (kernels/csrc/int8_gemm.cpp, vpdpbusd on the int8 weight
+  tiles), and the dense GEMM on the dequantized operands (elsewhere).
 - ``Fp8Linear`` (``fp8``): E4M3 weights with per-output-channel scales ``s = amax(|W_row|) / 448``
   (or a checkpoint's ``weight_scale``), activations quantized dynamically per token to E4M3 (W8A8).
   Kernels: ``torch._scaled_mm`` (fp8 x fp8, per-row/per-column fp32 scales); and an exact emulation
@@ -119,6 +120,9 @@ class MeasuredLinear(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:   # the decoder's [tokens, features]: no reshape or view (~2 us of 121 calls a step)
+            y = self._chosen[bucket_index(x.shape[0])](x)
+            return y if self.bias is None else y + self.bias
         x2 = x.reshape(-1, self.in_features)
         y = self._chosen[bucket_index(x2.shape[0])](x2)
         if self.bias is not None:
@@ -426,12 +430,17 @@ class Int8Linear(MeasuredLinear):
 
     method = "int8"
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, decode_only: bool = False) -> None:
-        """decode_only: see MeasuredLinear._choose (the LM head)."""
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, decode_only: bool = False,
+                 group: int | None = None) -> None:
+        """decode_only: see MeasuredLinear._choose (the LM head). group: input channels per
+        activation scale (a multiple of ACT_GROUP dividing in_features; default act_group())."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        self.group = act_group(self.in_features)
+        self.group = act_group(self.in_features) if group is None else group
+        if self.in_features % self.group or (self.group != self.in_features and self.group % ACT_GROUP):
+            raise ValueError(f"activation group {self.group} must divide in_features {self.in_features} "
+                             f"and be a multiple of {ACT_GROUP} (or in_features itself)")
         q, scale = quantize_int8_per_channel(weight)
         self.tiled = _int8_gemm_available(self.dtype, q.device, self.in_features)
         if self.tiled:
@@ -465,10 +474,7 @@ class Int8Linear(MeasuredLinear):
         op, q, scale = torch.ops.pdserve_int8.w8a8_gemm, self.qweight, self.weight_scale
 
         def w8a8_vnni(x: torch.Tensor) -> torch.Tensor:
-            x = x if x.stride(-1) == 1 else x.contiguous()
-            out = torch.empty(x.shape[0], n, dtype=torch.bfloat16, device=x.device)
-            op(out, x, q, scale, n)
-            return out
+            return op(x, q, scale, n, group)
 
         return {"w8a8_vnni": w8a8_vnni, "dequant_dense": dequant_dense}
 

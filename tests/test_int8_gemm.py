@@ -35,9 +35,9 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).abs().max() / want.abs().max())
 
 
-def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    xq, xs = quantize_int8_per_group(x, ACT_GROUP)
-    xd = (xq.float().view(x.shape[0], -1, ACT_GROUP) * xs[:, :, None]).view(x.shape)
+def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int = ACT_GROUP) -> torch.Tensor:
+    xq, xs = quantize_int8_per_group(x, group)
+    xd = (xq.float().view(x.shape[0], -1, group) * xs[:, :, None]).view(x.shape)
     return (xd @ q.float().T) * scale
 
 
@@ -57,6 +57,32 @@ def test_every_row_count_matches_the_fp32_product(available, n, k):
         got = lin.run_kernel("w8a8_vnni", x)
         assert got.dtype == torch.bfloat16 and got.shape == (m, n)
         assert rel(got, want) < 2 ** -7, (m, rel(got, want))
+
+
+@pytest.mark.parametrize("group", [64, 192, 576])   # wider groups (down to one scale per token)
+def test_wider_activation_groups_match_the_fp32_product(available, group):
+    gen = torch.Generator().manual_seed(group)
+    w = (torch.randn(200, 576, generator=gen) * torch.rand(200, 1, generator=gen)).bfloat16()
+    lin = Int8Linear(w, None, group=group)
+    q, scale = quantize_int8_per_channel(w)
+    x = torch.randn(40, 576, generator=gen)
+    x[:, 3] *= 30                                        # a large channel: it sets its group's scale
+    x = x.bfloat16()
+    for m in (1, 7, 16, 17, 40):                         # one pass, one full pass, two and three passes
+        want = reference(x[:m], q, scale, group)
+        assert rel(lin.run_kernel("w8a8_vnni", x[:m]), want) < 2 ** -7, (m, group)
+        assert rel(lin.run_kernel("dequant_dense", x[:m]), want) < 2 ** -6, (m, group)
+
+
+def test_an_activation_group_that_does_not_divide_k_is_refused(available):
+    w = torch.randn(32, 576).bfloat16()
+    with pytest.raises(ValueError, match="activation group 100 must divide in_features 576"):
+        Int8Linear(w, None, group=100)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Int8Linear(w, None, group=48)
+    lin = Int8Linear(w, None)
+    with pytest.raises(RuntimeError, match="group must be a multiple of 32 dividing K = 576, got 97"):
+        torch.ops.pdserve_int8.w8a8_gemm(torch.randn(1, 576).bfloat16(), lin.qweight, lin.weight_scale, 32, 97)
 
 
 @pytest.mark.parametrize("n,k,m", [(4096, 64, 5), (256, 576, 40)])   # the second: three passes of rows

@@ -110,6 +110,17 @@ def test_fp8_checkpoint_weight_and_scale_are_used_as_given():
         Fp8Linear(q, None, torch.bfloat16)
 
 
+def test_int8_activation_group_per_projection():
+    from engine.quantization.apply import int8_act_group
+
+    layer = "model.layers.7."
+    assert [int8_act_group(layer + p, 576) for p in ("self_attn.qkv_proj", "self_attn.q_proj", "self_attn.o_proj",
+                                                       "mlp.gate_up_proj", "mlp.up_proj", "mlp.down_proj")] == \
+        [64, 64, 576, 64, 64, None]
+    assert int8_act_group(layer + "self_attn.qkv_proj", 96) is None    # 64 does not divide 96: the default
+    assert int8_act_group(layer + "self_attn.o_proj", 100) == 100       # one scale per token at any width
+
+
 def test_bucket_boundaries():
     assert [bucket_index(m) for m in (1, 4, 5, 16, 128, 129, 512)] == [0, 0, 1, 1, 1, 2, 2]
 
@@ -134,6 +145,8 @@ def test_quantized_model_predicts_like_the_bf16_model(model_path, tokenizer, sha
             all(m.method in ("fp8", "none") for m in linears)
     else:
         assert all(m.method == method for m in linears)
+        groups = {m.group for m in runner.model.model.layers[0].modules() if isinstance(m, MeasuredLinear)}
+        assert groups == {64, 576, 32}   # apply.INT8_ACT_GROUPS: qkv and gate_up 64, o one per token, down 32
     logits = runner.forward(chunk)
     agree = float((logits.argmax(-1) == base.argmax(-1)).float().mean())
     assert agree > 0.85 and rel_err(logits, base) < 0.25, (agree, rel_err(logits, base))

@@ -9,15 +9,15 @@ it is the fastest dense kernel in the model dtype (FP8 keeps the head, as vLLM d
 embedding lookup keeps its own table.
 
 INT8 is W8A8 with activation scales per token and per group of 32 input channels
-(kernels.linear.ACT_GROUP), chosen by perplexity (bf16, WikiText-2, fake-quantized on 2,047
-tokens unless said): one scale per token +4.7% (an outlier channel, the "massive activations"
-of Sun et al. 2024 that the ``down_proj`` inputs of six layers carry at 43-1,560x their median,
-leaves every other channel of its token a few levels); SmoothQuant alpha 0.5 (Xiao et al. 2023)
-with those six kept W8A16: +1.57% (pdserve eval ppl, 8,192 tokens); per group of 64 +0.87%; per
-group of 32 +0.34%; weight-only W8A16 +0.51% (+0.44% through pdserve eval ppl on 8,192 tokens).
-Through pdserve eval ppl, per group of 32: +0.54% on 8,192 tokens (context 1024, stride 512) and
-+0.54% on the whole WikiText-2 test text (304,688 tokens scored, context 1024, stride 1024:
-bf16 24.886, int8 25.021).
+(kernels.linear.ACT_GROUP; wider where the inputs allow it: INT8_ACT_GROUPS), chosen by perplexity
+(bf16, WikiText-2, fake-quantized on 2,047 tokens unless said): one scale per token +4.7% (an
+outlier channel, the "massive activations" of Sun et al. 2024 that the ``down_proj`` inputs of six
+layers carry at 43-1,560x their median, leaves every other channel of its token a few levels);
+SmoothQuant alpha 0.5 (Xiao et al. 2023) with those six kept W8A16: +1.57% (pdserve eval ppl, 8,192
+tokens); per group of 64 +0.87%; per group of 32 +0.34%; weight-only W8A16 +0.51% (+0.44% through
+pdserve eval ppl on 8,192 tokens). Through pdserve eval ppl, per group of 32: +0.54% on 8,192
+tokens (context 1024, stride 512) and +0.54% on the whole WikiText-2 test text (304,688 tokens
+scored, context 1024, stride 1024: bf16 24.886, int8 25.021).
 Groups of 32 are as good as weight-only int8 and keep VNNI's int8 products: kernels/csrc/int8_gemm.cpp
 reads the weight as int8 (half of bf16's bytes, what a decode step at batch 1 streams) and
 multiplies twice as many pairs per instruction as bf16 (what decides batches of 16 and more).
@@ -39,6 +39,31 @@ DEBUG_SCALE_FACTOR_ENV = "PDSERVE_DEBUG_FP8_SCALE_FACTOR"
 per-channel scale, then served with that scale times this factor: a deliberately broken
 quantization, so quality gates (``pdserve bench ablate``) can be shown to catch one. Workers of
 `pdserve serve` inherit it (deploy/cluster.py forwards PDSERVE_DEBUG_* to the Ray actors)."""
+
+
+INT8_ACT_GROUPS = {"self_attn.qkv_proj": 64, "self_attn.o_proj": 0, "mlp.gate_up_proj": 64}
+"""Input channels per activation scale of the INT8 linears whose inputs allow more than
+kernels.linear.ACT_GROUP (32; 0 = the whole row, one scale per token); unfused q/k/v and gate/up
+take their fused linear's. Wider groups are fewer int32 -> fp32 conversions in the kernel
+(kernels/csrc/int8_gemm.cpp), what bounds 16-row decode: at 16 rows, one thread, weights out of
+cache, qkv 57 -> 53 us, o 52 -> 46, gate_up 128 -> 110 (per layer 321 -> 293 us, down_proj's 84
+unchanged). Chosen by pdserve eval ppl (bf16, first 16,384 WikiText-2 test tokens, context 1024,
+stride 512): bf16 18.671; every linear at 32: 18.800 (+0.69%); one scale per token for qkv
+alone: 19.102 (+2.31%), for gate_up alone 18.950 (+1.50%), for o alone 18.817 (+0.78%): the
+RMSNorm outputs that qkv and gate_up read carry outlier channels too, attention outputs do not;
+this table: 18.827 (+0.84%). down_proj keeps 32 (the massive activations above)."""
+
+
+def int8_act_group(name: str, in_features: int) -> int | None:
+    """The activation group of INT8 linear ``name`` (``model.layers.L.<proj>``) with
+    ``in_features`` inputs, or None for kernels.linear's default (act_group)."""
+    from engine.models import llama
+
+    for fused, parts in {**llama.FUSED_PROJECTIONS, "self_attn.o_proj": ()}.items():
+        if name.endswith(("." + fused,) + tuple("." + p for p in parts)) and fused in INT8_ACT_GROUPS:
+            group = INT8_ACT_GROUPS[fused] or in_features
+            return group if in_features % group == 0 else None
+    return None
 
 
 FP8_DENSE_PROJECTIONS = ("mlp.down_proj",)
@@ -88,8 +113,9 @@ def apply_quantization(model: nn.Module, method: str, fp8_weights: dict[str, Fp8
                     replaced += 1
                     continue
                 ckpt = checkpoint_weight(fp8_weights or {}, full) if method == "fp8" and full not in weight_scales else None
+                group = int8_act_group(full, child.in_features) if method == "int8" else None
                 setattr(parent, child_name, make_linear(child, method, weight_scales.get(full), compute_dtype,
-                                                        fp8_weight=ckpt))
+                                                        fp8_weight=ckpt, group=group))
                 replaced += 1
     head = (model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight).detach()
     if method == "int8":
@@ -129,14 +155,15 @@ def checkpoint_weight(fp8_weights: dict[str, Fp8Weight], name: str) -> Fp8Weight
 
 
 def make_linear(linear: nn.Linear, method: str, weight_scale: torch.Tensor | None = None,
-                dtype: torch.dtype | None = None, fp8_weight: Fp8Weight | None = None) -> nn.Module:
+                dtype: torch.dtype | None = None, fp8_weight: Fp8Weight | None = None,
+                group: int | None = None) -> nn.Module:
     """The linear method ``method`` for one ``nn.Linear`` (weight [N, K] in the model dtype, or E4M3
     with ``weight_scale``); fp8_weight: the checkpoint's E4M3 weight and scales (fp8)."""
     weight, bias = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
     if fp8_weight is not None:
         dtype, weight, weight_scale = dtype or weight.dtype, fp8_weight.qweight, fp8_weight.scale
     if method == "int8":
-        return Int8Linear(weight, bias)
+        return Int8Linear(weight, bias, group=group)
     if method == "fp8":
         compute = dtype or (bias.dtype if bias is not None and weight.dtype == torch.float8_e4m3fn else
                             weight.dtype if weight.dtype != torch.float8_e4m3fn else torch.bfloat16)

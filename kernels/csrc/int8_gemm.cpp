@@ -1,9 +1,10 @@
 // INT8 linear layers (kernels/linear.py's Int8Linear, kernel "w8a8_vnni"): int8 weights with
-// per-output-channel scales, activations quantized in the call per token and per group of 32 input
-// channels, bf16 in and out, AVX512-VNNI and AVX512-BF16:
+// per-output-channel scales, activations quantized in the call per token and per group of G input
+// channels (G = `group`, a multiple of 32 dividing K; G = K is one scale per token), bf16 in and
+// out, AVX512-VNNI and AVX512-BF16:
 //
 //   out[m, n] = wscale[n] * sum_g sx[m, g] * sum_{k in g} xq[m, k] q[n, k]
-//   (sx[m, g] = amax |x[m, g*32 .. g*32+31]| / 127, xq = round(x / sx))
+//   (sx[m, g] = amax |x[m, g*G .. g*G+G-1]| / 127, xq = round(x / sx))
 //
 // Why: a decode step at 1-32 rows streams every weight from DRAM once, so int8 weights (half of
 // bf16's bytes) are the speed lever; at 16-32 rows the bf16 product is compute-bound too, and
@@ -11,7 +12,11 @@
 // int8 weight as it is (widening it to bf16 in registers first cost more than the bytes saved).
 // Groups of 32 rather than one scale per token: an outlier channel coarsens only its own group
 // (per-token activations cost the bundled model +4.7% perplexity, per group of 32 about as much as
-// weight-only int8; engine/quantization/apply.py).
+// weight-only int8; engine/quantization/apply.py). Each group costs, per row and 16 output columns,
+// an int32 -> fp32 conversion and an fma (plus, at 16 rows, a load and a store of the fp32 sum) on
+// top of its G/4 vpdpbusd: at G = 32 that is what makes 16 rows compute-bound, so inputs that carry
+// no outlier channels take wider groups (apply.py's INT8_ACT_GROUPS; 16 rows, one thread: G = K
+// is 1.2-1.3x faster than G = 32 on the bundled model's shapes).
 //
 // Numerics: the products and their int32 sums within a group are exact; each group's sum times
 // sx is accumulated in fp32 (groups in order), times wscale, rounded once to bf16. vpdpbusd
@@ -39,6 +44,7 @@
 // is in cache.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -55,8 +61,7 @@
 namespace {
 
 #if PDSERVE_INT8_GEMM
-constexpr int64_t kGroup = 32;     // input channels per activation scale
-constexpr int64_t kQuads = kGroup / 4;
+constexpr int64_t kChunk = 32;     // the activation group is a multiple of these input channels
 constexpr int kMaxRows = 16;       // rows per pass (more rows: passes of equal size)
 constexpr int64_t kPrefetch = 8;       // lines ahead within a tile's stream, into L1
 constexpr int kL2PrefetchRows = 5;     // from these rows on, the next unit into L2 as well
@@ -64,36 +69,39 @@ constexpr int kL2PrefetchRows = 5;     // from these rows on, the next unit into
 // One pass's quantized activations, rows [0, ldq) of the pass (written by quantize_row).
 struct Pass {
   int32_t* xq;     // [K/4][ldq]: the 4 bytes xq[m, 4 kq .. 4 kq + 3] at xq[kq * ldq + m]
-  float* sx;       // [K/32][ldq]: sx[m, g] at sx[g * ldq + m]
-  int32_t* corr;   // [K/32][ldq]: -128 sum_{k in g} xq[m, k] at corr[g * ldq + m]
+  float* sx;       // [K/group][ldq]: sx[m, g] at sx[g * ldq + m]
+  int32_t* corr;   // [K/group][ldq]: -128 sum_{k in g} xq[m, k] at corr[g * ldq + m]
   int64_t ldq;
 };
 
 // Row x [K] bf16 -> row r of pass p: xq = round(x / sx) (half to even, the default MXCSR mode,
-// |xq| <= 127), sx and corr per group. tmp: 32 bytes of scratch.
-void quantize_row(const at::BFloat16* x, int64_t k, int64_t r, const Pass& p, int8_t* tmp) {
+// |xq| <= 127), sx and corr per group of `group` channels (a multiple of 32). tmp: 32 bytes of scratch.
+void quantize_row(const at::BFloat16* x, int64_t k, int64_t group, int64_t r, const Pass& p, int8_t* tmp) {
   const uint16_t* row = reinterpret_cast<const uint16_t*>(x);
-  const int64_t groups = k / kGroup;
-  float* sx = p.sx;
-  int32_t* corr = p.corr;
-  int32_t* xq = p.xq;
+  const int64_t groups = k / group, chunks = group / kChunk;
+  auto load = [&](int64_t c, int half) {   // 16 values of chunk c (channels 32 c + 16 half ..) as fp32
+    const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * kChunk + 16 * half)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+  };
   for (int64_t g = 0; g < groups; ++g) {
-    const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * kGroup)));
-    const __m512i bits2 =
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * kGroup + 16)));
-    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(bits2, 16));
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    __m512 vmax = _mm512_setzero_ps();
+    for (int64_t c = g * chunks; c < (g + 1) * chunks; ++c)
+      vmax = _mm512_max_ps(vmax, _mm512_max_ps(_mm512_abs_ps(load(c, 0)), _mm512_abs_ps(load(c, 1))));
+    const float amax = _mm512_reduce_max_ps(vmax);
     const float scale = amax > 0.f ? amax / 127.f : 1.f;
-    sx[g * p.ldq + r] = scale;
+    p.sx[g * p.ldq + r] = scale;
     const __m512 inv = _mm512_set1_ps(1.f / scale);
-    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
-    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-    corr[g * p.ldq + r] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp), _mm512_cvtsepi32_epi8(qlo));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp + 16), _mm512_cvtsepi32_epi8(qhi));
-    const int32_t* t32 = reinterpret_cast<const int32_t*>(tmp);
-    for (int64_t i = 0; i < kQuads; ++i) xq[(g * kQuads + i) * p.ldq + r] = t32[i];
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t c = g * chunks; c < (g + 1) * chunks; ++c) {
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(load(c, 0), inv));
+      const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(load(c, 1), inv));
+      sum = _mm512_add_epi32(sum, _mm512_add_epi32(qlo, qhi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp), _mm512_cvtsepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp + 16), _mm512_cvtsepi32_epi8(qhi));
+      const int32_t* t32 = reinterpret_cast<const int32_t*>(tmp);
+      for (int64_t i = 0; i < kChunk / 4; ++i) p.xq[(c * kChunk / 4 + i) * p.ldq + r] = t32[i];
+    }
+    p.corr[g * p.ldq + r] = -128 * _mm512_reduce_add_epi32(sum);
   }
 }
 
@@ -107,7 +115,7 @@ constexpr bool regs_fit() { return 2 * MR * NT + NT <= 30; }
 // (prefetched into L2 at the pace this one is read), or nullptr (a later pass over a unit already
 // in cache, or the last unit).
 template <int NT, int MR>
-void tile_kernel(const Pass p, int64_t groups, const uint8_t* w, int64_t tile_stride, const float* wscale,
+void tile_kernel(const Pass p, int64_t groups, int64_t quads, const uint8_t* w, int64_t tile_stride, const float* wscale,
                  at::BFloat16* out, int64_t ldo, int64_t n0, int64_t n, const uint8_t* next) {
   constexpr bool kReg = regs_fit<NT, MR>();
   __m512 facc[kReg ? MR : 1][NT];
@@ -128,8 +136,8 @@ void tile_kernel(const Pass p, int64_t groups, const uint8_t* w, int64_t tile_st
       for (int t = 0; t < NT; ++t) iacc[m][t] = start;
     }
 #pragma GCC unroll 8
-    for (int64_t i = 0; i < kQuads; ++i) {
-      const int64_t kq = g * kQuads + i;
+    for (int64_t i = 0; i < quads; ++i) {
+      const int64_t kq = g * quads + i;
       __m512i wv[NT];
       for (int t = 0; t < NT; ++t) {
         const uint8_t* line = w + t * tile_stride + kq * 64;
@@ -170,7 +178,7 @@ void tile_kernel(const Pass p, int64_t groups, const uint8_t* w, int64_t tile_st
   }
 }
 
-using Kernel = void (*)(const Pass, int64_t, const uint8_t*, int64_t, const float*, at::BFloat16*, int64_t, int64_t,
+using Kernel = void (*)(const Pass, int64_t, int64_t, const uint8_t*, int64_t, const float*, at::BFloat16*, int64_t, int64_t,
                         int64_t, const uint8_t*);
 
 // Tiles at once for MR rows (regs_fit decides where the fp32 sums live: registers for 1-3, 5-7
@@ -196,21 +204,26 @@ constexpr std::array<Kernel, kMaxRows + 1> kKernels[4] = {rows_of<1>(Rows{}), ro
 constexpr int nt_index(int nt) { return nt == 1 ? 0 : nt == 2 ? 1 : nt == 4 ? 2 : 3; }
 #endif
 
-void w8a8_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& wscale, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16, "x must be bf16 [M, K], rows contiguous");
+// out [M, N] bf16 = the product of x [M, K] bf16 (rows contiguous, or copied so) with the packed
+// weight; the output is allocated here (one Python-level call per linear fewer: decode calls 121
+// linears a step, each a few us of overhead at batch 1).
+at::Tensor w8a8_gemm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& wscale, int64_t n,
+                     int64_t group) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be bf16 [M, K]");
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 4 && packed.is_contiguous() &&
                   packed.scalar_type() == at::kByte, "packed must be a contiguous uint8 [N/16, K/4, 16, 4]");
   const int64_t m = x.size(0), k = x.size(1), tiles = packed.size(0);
-  TORCH_CHECK(k == 4 * packed.size(1) && k % 32 == 0, "x has ", k, " columns, the packed weight ", 4 * packed.size(1),
-              " (a multiple of 32 is needed)");
+  TORCH_CHECK(k == 4 * packed.size(1), "x has ", k, " columns, the packed weight ", 4 * packed.size(1));
+  TORCH_CHECK(group > 0 && group % 32 == 0 && k % group == 0, "group must be a multiple of 32 dividing K = ", k,
+              ", got ", group);
   TORCH_CHECK(n > 16 * (tiles - 1) && n <= 16 * tiles, "n does not match the packed weight's tiles");
   TORCH_CHECK(wscale.dim() == 1 && wscale.size(0) == 16 * tiles && wscale.is_contiguous() &&
                   wscale.scalar_type() == at::kFloat, "wscale must be a contiguous fp32 [16 * tiles]");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n && out.stride(1) == 1 &&
-                  out.scalar_type() == at::kBFloat16, "out must be bf16 [M, N], rows contiguous");
+  at::Tensor out = at::empty({m, n}, x.options());
 #if PDSERVE_INT8_GEMM
-  if (m == 0) return;
-  const int64_t groups = k / kGroup, k4 = k / 4;
+  if (m == 0) return out;
+  const int64_t groups = k / group, quads = group / 4, k4 = k / 4;
   const int64_t passes = (m + kMaxRows - 1) / kMaxRows;
   const int64_t per_pass = (m + passes - 1) / passes;   // 20 rows: two passes of 10, not 16 + 4
   std::vector<int32_t> xq(passes * k4 * per_pass);
@@ -221,9 +234,9 @@ void w8a8_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, c
     pass[p] = Pass{xq.data() + p * k4 * per_pass, sx.data() + p * groups * per_pass, corr.data() + p * groups * per_pass,
                    per_pass};
   {
-    alignas(64) int8_t tmp[kGroup];
+    alignas(64) int8_t tmp[kChunk];
     const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-    for (int64_t r = 0; r < m; ++r) quantize_row(xp + r * x.stride(0), k, r % per_pass, pass[r / per_pass], tmp);
+    for (int64_t r = 0; r < m; ++r) quantize_row(xp + r * x.stride(0), k, group, r % per_pass, pass[r / per_pass], tmp);
   }
   // Fewer tiles at once where wide units would split unevenly over the threads.
   int nt = tiles_for(static_cast<int>(per_pass));
@@ -246,10 +259,10 @@ void w8a8_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, c
         at::BFloat16* orow = op + r0 * ldo;
         const uint8_t* pf = r0 == 0 ? next : nullptr;   // later passes read the unit from cache
         if (count == nt) {
-          kKernels[nt_index(nt)][rows](pass[p], groups, wp + t0 * tile_stride, tile_stride, sp, orow, ldo, 16 * t0, n, pf);
+          kKernels[nt_index(nt)][rows](pass[p], groups, quads, wp + t0 * tile_stride, tile_stride, sp, orow, ldo, 16 * t0, n, pf);
         } else {   // the last, partial unit: one tile at a time
           for (int64_t t = t0; t < t0 + count; ++t)
-            kKernels[0][rows](pass[p], groups, wp + t * tile_stride, tile_stride, sp, orow, ldo, 16 * t, n, nullptr);
+            kKernels[0][rows](pass[p], groups, quads, wp + t * tile_stride, tile_stride, sp, orow, ldo, 16 * t, n, nullptr);
         }
       }
     }
@@ -257,6 +270,7 @@ void w8a8_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, c
 #else
   TORCH_CHECK(false, "w8a8_gemm needs a build for a CPU with AVX512-BF16 and AVX512-VNNI");
 #endif
+  return out;
 }
 
 bool available() {
@@ -270,7 +284,7 @@ bool available() {
 }  // namespace
 
 TORCH_LIBRARY(pdserve_int8, m) {
-  m.def("w8a8_gemm(Tensor(a!) out, Tensor x, Tensor packed, Tensor wscale, int n) -> ()");
+  m.def("w8a8_gemm(Tensor x, Tensor packed, Tensor wscale, int n, int group=32) -> Tensor");
   m.def("available() -> bool", &available);
 }
 
