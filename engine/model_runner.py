@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
 from engine.batch import SeqChunk
+from engine.huge_pages import collapse_into_huge_pages, module_tensors
 from engine.kv_cache import KVCacheSpec, PagedKVCache
 from engine.model_config import ModelConfig
 from engine.model_loader import resolve_model
@@ -73,6 +75,10 @@ class ModelRunner:
         apply_quantization(self.model, quantization, fp8_weights=self.model.fp8_checkpoint)
         log.info("linear kernels (1/16/512 rows): %s", kernel_summary(self.model))
         release_freed_memory()   # the weight copies no chosen kernel reads (kernels/linear.py)
+        if self.device.type == "cpu":   # every decode step streams the weights from DRAM
+            started = time.perf_counter()
+            moved = collapse_into_huge_pages(module_tensors(self.model))
+            log.info("weights on huge pages: %d MiB in %.2f s", moved >> 20, time.perf_counter() - started)
         cfg = self.model_config
         cache_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8_e4m3" else dtype
         self.kv_scales: KVScales | None = None

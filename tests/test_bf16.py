@@ -100,3 +100,20 @@ def test_bf16_greedy_decode_agrees_with_fp32_up_to_the_first_near_tie(llms, prom
             assert abs(lp_got.logprob - lp_ref.logprob) <= LOGPROB_TOL, (k, lp_got.logprob, lp_ref.logprob)
             compared += 1
     assert compared >= N_PROMPTS * 2, f"only {compared} tokens before a near-tie: the test checks too little"
+
+
+def test_bf16_runner_weights_and_cache_are_on_huge_pages(llms):
+    """engine/huge_pages.py: the weights the linears read and the KV cache are advised for huge pages."""
+    from engine.huge_pages import HUGE_PAGE_BYTES, module_tensors
+    from tests.test_huge_pages import thp_mode, vma_flags
+
+    if thp_mode() not in ("always", "madvise"):
+        pytest.skip("transparent huge pages are off on this host (/sys/kernel/mm/transparent_hugepage/enabled)")
+    runner = llms[torch.bfloat16].runner
+    big = [t for t in module_tensors(runner.model)
+           if t.layout == torch.strided and t.numel() * t.element_size() >= 3 << 20]
+    assert len(big) >= 30   # every layer's gate/up weight at least (3.5 MB in bf16)
+    assert all("hg" in vma_flags(t.data_ptr() + t.numel() * t.element_size() // 2) for t in big)
+    cache = runner.kv_cache.data
+    assert cache.numel() * cache.element_size() > 2 * HUGE_PAGE_BYTES
+    assert "hg" in vma_flags(cache.data_ptr() + cache.numel() * cache.element_size() // 2)
