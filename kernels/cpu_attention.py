@@ -32,6 +32,15 @@ b32 ctx 1024 2721 -> 1932 (1.39-1.44x; 9 -> 13 GB/s of K/V), 4-token verificatio
 an FP8 cache 1.07-1.15x, and then 1.16-1.28x more from converting its blocks to bf16 by bit moves
 instead of through fp32.
 
+Decode in the real step (2026-12-02, bf16 SmolLM2-135M, b16, shuffled tables, 2 threads, load 2-4,
+A/B in one process): with the KV cache on huge pages (engine/huge_pages.py) attention went 3.50 ->
+3.05 ms a step at ctx 128. What did not help, measured the same way: the L2 prefetch distance
+(``PDSERVE_ATTN_L2_AHEAD`` 2, 4, 8, 16 within 3% of each other at ctx 128 and 256), and asking for
+layer l + 1's K/V blocks (prefetcht2) while layer l reads its own (0-5% slower at b16, equal at b1).
+Yet every layer reading the same layer's K/V (so it stays in L3) halves the step's attention
+(3.39 -> 1.83 ms at ctx 128, 4.90 -> 2.49 at ctx 256): the cold reads cost about half of it, and
+neither a longer prefetch nor an earlier one recovers that.
+
 The extension is built once per machine with ``torch.utils.cpp_extension.load`` (``-O3
 -march=native -fopenmp``) into a cache directory keyed by the CPU capability and torch version
 (``$PDSERVE_KERNEL_CACHE`` or ``~/.cache/pdserve/kernels``); a build takes ~10 s of CPU on these
