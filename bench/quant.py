@@ -4,7 +4,8 @@ Two tables, every row timed in one run so ratios are comparable on a busy machin
 averages are printed beside them):
 
 - linear: each kernel of each method (kernels/linear.py) on the bundled model's four projection
-  shapes at 1, 16 and 512 rows, best of a few rounds, with the weight bytes read per call and the
+  shapes at 1, 16 and 512 rows (int8 with the activation group the model uses for that projection,
+  engine/quantization/apply.py INT8_ACT_GROUPS), best of a few rounds, with the weight bytes read per call and the
   GB/s that makes;
 - decode step: one ModelRunner forward of B decode tokens (B = ``--batch-sizes``, default 1, 16,
   32; ``--context`` tokens of
@@ -24,6 +25,7 @@ from pathlib import Path
 import typer
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))   # (out, in): fused qkv, o, fused gate/up, down
+PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")   # of SHAPES
 ROWS = (1, 16, 512)
 
 
@@ -62,12 +64,13 @@ def command(
 def linear_rows(methods: list[str], dtype) -> list[dict]:
     import torch
 
-    from engine.quantization.apply import make_linear
+    from engine.quantization.apply import int8_act_group, make_linear
 
     rows = []
-    for n, k in SHAPES:
+    for (n, k), projection in zip(SHAPES, PROJECTIONS):
         lin = torch.nn.Linear(k, n, bias=False).to(dtype)
-        mods = {m: make_linear(lin, m) for m in methods}
+        group = int8_act_group(f"model.layers.0.{projection}", k)   # the model's int8 activation group
+        mods = {m: make_linear(lin, m, group=group if m == "int8" else None) for m in methods}
         for m_rows in ROWS:
             x = torch.randn(m_rows, k).to(dtype)
             with torch.inference_mode():
@@ -76,6 +79,7 @@ def linear_rows(methods: list[str], dtype) -> list[dict]:
                         t = _best(lambda: mod.run_kernel(name, x), reps=2 if m_rows >= 256 else 10)
                         wbytes = n * k * {"none": dtype.itemsize, "int8": 1, "fp8": 1}[method]
                         rows.append({"out": n, "in": k, "rows": m_rows, "method": method, "kernel": name,
+                                     "act_group": getattr(mod, "group", None),
                                      "us": round(t * 1e6, 1), "weight_GBps": round(wbytes / t / 1e9, 1),
                                      "chosen": name == mod.kernel_names[min(ROWS.index(m_rows), 2)]})
     return rows
@@ -135,10 +139,10 @@ def _best(fn, reps: int, rounds: int = 5) -> float:
 
 
 def _print_linear(rows: list[dict]) -> None:
-    print(f"{'out x in':>11} {'rows':>5} {'method':<6} {'kernel':<16} {'us':>9} {'weight GB/s':>11}")
+    print(f"{'out x in':>11} {'rows':>5} {'method':<6} {'kernel':<16} {'group':>5} {'us':>9} {'weight GB/s':>11}")
     for r in rows:
         mark = " *" if r["chosen"] else ""
-        print(f"{r['out']:>5} x {r['in']:<4} {r['rows']:>5} {r['method']:<6} {r['kernel']:<16} {r['us']:>9.1f} "
+        print(f"{r['out']:>5} x {r['in']:<4} {r['rows']:>5} {r['method']:<6} {r['kernel']:<16} {r['act_group'] or '':>5} {r['us']:>9.1f} "
               f"{r['weight_GBps']:>11.1f}{mark}")
     print("(* = the kernel the method chose at load for that row count)")
 
