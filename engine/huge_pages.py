@@ -14,7 +14,10 @@ step's paged attention 3.50 -> 3.05 ms, the whole step 15.6 -> 14.8 ms.
 The weights stream from DRAM every decode step (the model's ~270 MB of bf16 through a 32 MB
 L3), and the linears' packed copies are made by their kernels at load on 4 KiB pages:
 ``collapse_into_huge_pages`` moves the memory of the tensors a model holds onto huge pages
-synchronously (``MADV_COLLAPSE``, Linux 6.1+), ~0.1-0.3 s for the model's ~500 MB.
+synchronously (``MADV_COLLAPSE``, Linux 6.1+): 0.15-1.6 s at load for SmolLM2-135M in bf16
+(~460 MiB of 2 MiB pages; the slow end on a loaded host needing compaction), and resident memory
+grows by ~58 MiB (944 -> 1002 MiB): the untouched parts of the 2 MiB pages at the tensors' edges
+are faulted in by the collapse.
 
 Where the advice cannot be given (not Linux, THP ``never``, not a CPU tensor) the tensor keeps
 its 4 KiB pages: the same bytes, only slower.
