@@ -14,7 +14,8 @@ sampled its first token, ITL between the steps that gave it its next tokens; the
 bench serve's (bench/metrics.py ``summarize``), so the rows compare key by key.
 
 Run as ``python -m bench.closed_loop ...`` (``bench peers --engine-row`` does, in a process of its
-own, so the benchmark's process holds no model); prints one JSON object (``summarize``'s doc).
+own, so the benchmark's process holds no model); prints one JSON object (``summarize``'s doc, plus
+``prompt_lens``: each prompt's token count, for the workload floor).
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     prompts = load_prompts(model_dir, a.num_prompts, a.max_tokens, a.dataset_path)
     if a.num_warmups:
         run(engine, prompts[:a.num_warmups], a.max_concurrency, a.max_tokens, not a.no_ignore_eos)
-    print(json.dumps(run(engine, prompts, a.max_concurrency, a.max_tokens, not a.no_ignore_eos)))
+    doc = run(engine, prompts, a.max_concurrency, a.max_tokens, not a.no_ignore_eos)
+    print(json.dumps({**doc, "prompt_lens": [len(p) for p in prompts]}))  # bench peers: the row's floor
 
 
 if __name__ == "__main__":

@@ -188,10 +188,18 @@ def run_engine_row(model: str, num_prompts: int, max_tokens: int, max_concurrenc
         tail = (stderr.strip().splitlines() or ["no output"])[-1]
         out["error"] = f"exit status {proc.returncode}: {tail}"
     else:
-        out["result"] = json.loads(lines[-1])
+        out.update(engine_row_fields(json.loads(lines[-1])))
     out["peak_rss_mib"] = sampler.peak / 2**20
     out["peak_rss_by_process"] = [{"process": k, "count": n, "rss_mib": b / 2**20} for k, n, b in sampler.peak_by_process]
     return out
+
+
+def engine_row_fields(doc: dict[str, Any]) -> dict[str, Any]:
+    """bench/closed_loop.py's printed doc -> the row's "result" (summarize's figures) and
+    "prompt_lens" (each prompt's tokens, for add_floor; absent from an older closed_loop)."""
+    doc = dict(doc)
+    lens = doc.pop("prompt_lens", None)
+    return {"result": doc, **({"prompt_lens": lens} if lens else {})}
 
 
 async def wait_ready(url: str, proc: subprocess.Popen, sampler: "RssSampler") -> None:

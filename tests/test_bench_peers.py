@@ -155,3 +155,11 @@ def test_cpu_window_measures_a_busy_child():
     finally:
         child.kill()
         child.wait()
+
+
+def test_engine_row_carries_its_prompt_lengths_to_the_floor():
+    from bench.peers import engine_row_fields
+
+    doc = {"output_throughput": 500.0, "completed": 2, "prompt_lens": [10, 20]}
+    assert engine_row_fields(doc) == {"result": {"output_throughput": 500.0, "completed": 2}, "prompt_lens": [10, 20]}
+    assert engine_row_fields({"completed": 1}) == {"result": {"completed": 1}}
