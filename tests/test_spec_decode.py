@@ -84,6 +84,20 @@ def test_choose_k_hysteresis_keeps_the_previous_choice_near_the_break_even():
     assert choose_k(cands(1, 0.35), 20, 20, m)["x"] == 0
 
 
+def test_deeper_drafts_have_a_narrow_margin():
+    """Near the int8 self-draft at c1 (measured: acceptance 0.95, a draft forward 0.59 of a target
+    step, k = 1 on 98% of rows): at acceptance 0.94 the second draft gains 1.19x its cost; the
+    first draft's wide start margin (1.2x) refused it for good, the deeper drafts' narrow one
+    (1.05x) takes it."""
+    m = StepTimeModel(prior_a=0.0117, prior_b=0.0004)
+    draft_s = 0.59 * m.predict(1)
+    row = [Candidate("a", 3, 0.94, previous_k=1)]
+    assert choose_k(row, 1, 1, m, draft_forward_s=draft_s, deep_hysteresis=0.2) == {"a": 1}
+    assert choose_k(row, 1, 1, m, draft_forward_s=draft_s)["a"] >= 2
+    # the first draft keeps its wide margin: a row not drafting yet needs 1.2x
+    assert choose_k([Candidate("b", 3, 0.5, previous_k=0)], 1, 1, m, draft_forward_s=draft_s) == {"b": 0}
+
+
 def test_a_speculating_batch_drops_its_drafts_when_load_rises():
     """32 rows that all verified 4 drafts last step (alpha 0.5) at a cost where even the first
     draft loses: every k falls to 0 (the old whole-batch margin kept all 128 drafts)."""
