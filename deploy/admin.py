@@ -6,7 +6,9 @@
                             with --autoscale they become the planner's baseline (it does not fight them)
     GET  /metrics           pdserve:planner_desired_replicas{role}, pdserve:planner_replicas{role,state}
 
-Bad input is a 400 naming the field. `pdserve scale` is its client.
+Bad input is a 400 naming the field. `pdserve scale` is its client. With the cluster's --api-key
+every route but /metrics needs `Authorization: Bearer KEY`, as the public HTTP API does
+(router/auth.py): this endpoint starts and drains workers.
 """
 
 from __future__ import annotations
@@ -17,8 +19,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 
-def build_admin_app(controller, autoscaler=None):
+def build_admin_app(controller, autoscaler=None, api_key: str | None = None):
+    """api_key: when set, every route but /metrics answers 401 without `Authorization: Bearer KEY`."""
     app = FastAPI(title="pdserve admin")
+    if api_key is not None:
+        from router.auth import ApiKeyMiddleware
+
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     manual: dict[str, int] = {}
 
     def desired() -> dict[str, int]:

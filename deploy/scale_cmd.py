@@ -20,12 +20,17 @@ def command(
     decode: Optional[int] = typer.Option(None, min=1, help="Decode (or agg) workers wanted."),
     admin_url: str = typer.Option("http://127.0.0.1:8100", help="The cluster's admin endpoint (pdserve serve --admin-port)."),
     as_json: bool = typer.Option(False, "--json", help="Print the JSON answer."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="The cluster's --api-key (default: $PDSERVE_API_KEY)."),
 ) -> None:
     """Show or set the number of prefill and decode workers of a running cluster."""
     import httpx
 
+    from router.auth import resolve_api_key
+
+    key = resolve_api_key(api_key)
+    headers = {"Authorization": f"Bearer {key}"} if key else None
     try:
-        with httpx.Client(timeout=30.0) as client:
+        with httpx.Client(timeout=30.0, headers=headers) as client:
             if prefill is None and decode is None:
                 r = client.get(f"{admin_url}/v1/cluster")
             else:
@@ -34,6 +39,8 @@ def command(
     except httpx.HTTPError as e:
         raise UserError(f"--admin-url {admin_url}: cannot reach the admin endpoint ({type(e).__name__})") from None
     doc = r.json()
+    if r.status_code == 401:
+        raise UserError(f"--admin-url {admin_url}: the cluster has an API key: pass --api-key or set $PDSERVE_API_KEY")
     if r.status_code != 200:
         raise UserError(doc.get("error", {}).get("message", f"HTTP {r.status_code}"))
     if as_json:

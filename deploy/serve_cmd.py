@@ -381,7 +381,8 @@ async def _serve(spec, router_config, ray_address: str | None, n_routers: int = 
             lines += [f"  http     http://{ep.http}/v1"] if ep.http else []
             lines += [f"  metrics  http://{ep.metrics}/metrics"] if ep.metrics else []
         print("\n".join(lines), flush=True)
-        autoscaler, admin = await _start_scaling(controller, scaling, spec.host, routers[0].endpoints.metrics)
+        autoscaler, admin = await _start_scaling(controller, scaling, spec.host, routers[0].endpoints.metrics,
+                                                 router_config.api_key)
         if admin is not None:
             print(f"  admin    http://{spec.host}:{scaling.admin_port}/v1/cluster"
                   + (" (autoscaling)" if autoscaler else ""), flush=True)
@@ -405,8 +406,10 @@ async def _serve(spec, router_config, ray_address: str | None, n_routers: int = 
         print("pdserve: stopped", flush=True)
 
 
-async def _start_scaling(controller, scaling: ScalingOptions, host: str, router_metrics: str | None):
-    """The planner loop (with --autoscale) and the admin endpoint (unless --admin-port -1)."""
+async def _start_scaling(controller, scaling: ScalingOptions, host: str, router_metrics: str | None,
+                         api_key: str | None = None):
+    """The planner loop (with --autoscale) and the admin endpoint (unless --admin-port -1; with
+    --api-key it needs the key too)."""
     from deploy.admin import build_admin_app, serve_admin
 
     autoscaler = None
@@ -423,7 +426,7 @@ async def _start_scaling(controller, scaling: ScalingOptions, host: str, router_
         autoscaler.start()
     admin = None
     if scaling.admin_port is not None:
-        admin = await serve_admin(build_admin_app(controller, autoscaler), host, scaling.admin_port)
+        admin = await serve_admin(build_admin_app(controller, autoscaler, api_key), host, scaling.admin_port)
     return autoscaler, admin
 
 

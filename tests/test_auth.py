@@ -162,3 +162,44 @@ def test_a_client_that_leaves_is_seen_through_the_key_check():
 
     sent = asyncio.run(call())
     assert sent[0]["status"] == 200 and seen == ["disconnected"], sent
+
+
+class _Replicas:
+    """The two methods and the attribute of deploy.cluster.ClusterController the admin app reads."""
+
+    drained: list = []
+
+    def replicas(self):
+        return {"agg": {"ready": 1, "starting": 0, "draining": 0}}
+
+    async def scale(self, role, n):
+        return {"started": [], "draining": []}
+
+
+def test_admin_endpoint_needs_the_key_too():
+    """With --api-key the admin endpoint (it starts and drains workers) refuses calls without the
+    key, over real HTTP (uvicorn on 127.0.0.1); `pdserve scale --api-key` sends it, and without
+    it says which option is missing. /metrics stays open, as on the public port."""
+    from deploy import scale_cmd
+    from deploy.admin import build_admin_app, serve_admin
+    from engine.errors import UserError
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    server, task = asyncio.run_coroutine_threadsafe(
+        serve_admin(build_admin_app(_Replicas(), api_key=KEY), "127.0.0.1", 0), loop).result(30)
+    try:
+        port = server.servers[0].sockets[0].getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{url}/v1/cluster").status_code == 401
+        assert httpx.post(f"{url}/v1/cluster/scale", json={"decode": 2}).status_code == 401
+        assert httpx.get(f"{url}/metrics").status_code == 200
+        ok = httpx.get(f"{url}/v1/cluster", headers={"Authorization": f"Bearer {KEY}"})
+        assert ok.status_code == 200 and ok.json()["replicas"]["agg"]["ready"] == 1
+        scale_cmd.command(prefill=None, decode=None, admin_url=url, as_json=True, api_key=KEY)
+        with pytest.raises(UserError, match="--api-key"):
+            scale_cmd.command(prefill=None, decode=2, admin_url=url, as_json=True, api_key="wrong")
+    finally:
+        server.should_exit = True
+        asyncio.run_coroutine_threadsafe(asyncio.wait_for(asyncio.shield(task), 30), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
