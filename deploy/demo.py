@@ -15,7 +15,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-QUESTION = "What is the capital of France?"
+# Not "What is the capital of France?": the bundled Q4_1 model's first token there is a tie in bf16
+# ("The" vs "L", -1.890 both, measured), so greedy answers "L'Etoile, la Marseillaise..." on some
+# runs; this question's first token leads by 1.0 nat, in fp32 and bf16 alike.
+QUESTION = "Name three primary colors."
 
 
 def _free_port() -> int:

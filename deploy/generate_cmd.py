@@ -1,6 +1,6 @@
 """pdserve generate: offline generation with the bundled model (or any supported checkpoint).
 
-    pdserve generate --model smollm2-135m-instruct --chat "What is the capital of France?"
+    pdserve generate --model smollm2-135m-instruct --chat "Name three primary colors."
     pdserve generate --chat --prompts-file prompts.jsonl --json      # one JSON object per prompt
 
 Bad input (unknown model, unreadable path or prompts file, empty or too-long prompt, out-of-range
