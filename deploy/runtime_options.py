@@ -264,6 +264,19 @@ def check_model(model: str, *, local_cluster: bool, max_model_len: int | None = 
     return model_dir
 
 
+def check_draft_vocab_size(draft_dir: Path | None, draft_vocab_size: int | None) -> None:
+    """--speculative-draft-vocab-size within the draft model's vocabulary (draft_dir: its directory
+    on this host; None, e.g. a remote cluster's model: the worker checks it). UserError otherwise."""
+    if draft_dir is None or draft_vocab_size is None:
+        return
+    from engine.model_config import ModelConfig
+
+    vocab = ModelConfig.from_pretrained(draft_dir).vocab_size
+    if not 1 <= draft_vocab_size <= vocab:
+        raise UserError(f"--speculative-draft-vocab-size must be in [1, {vocab}] (the draft model's vocabulary), "
+                        f"got {draft_vocab_size}")
+
+
 def default_kv_cache_bytes(num_workers: int, available: int | None) -> int:
     """DEFAULT_KV_CACHE_BYTES per worker, or DEFAULT_KV_MEMORY_FRACTION of the available memory
     shared among the workers if that is less (MiB-aligned)."""

@@ -154,8 +154,10 @@ def command(
         None, help="The draft's LM head covers token ids < N only (FR-Spec; the tokenizer's ids are in BPE merge, "
                    "i.e. frequency, order); output stays exactly the target's. Default: the whole vocabulary.",
         rich_help_panel=SPEC, show_default=False),
-    spec_ngram_max: int = typer.Option(4, help="Longest n-gram matched (method ngram).", rich_help_panel=SPEC),
-    spec_ngram_min: int = typer.Option(2, help="Shortest n-gram matched (method ngram).", rich_help_panel=SPEC),
+    spec_ngram_max: Optional[int] = typer.Option(None, help="Longest n-gram matched (method ngram; default 4).",
+                                                 rich_help_panel=SPEC),
+    spec_ngram_min: Optional[int] = typer.Option(None, help="Shortest n-gram matched (method ngram; default 2).",
+                                                 rich_help_panel=SPEC),
     autoscale: bool = typer.Option(False, help="Run the SLA planner: scale prefill and decode pools to the --slo.",
                                    rich_help_panel=SCALE),
     slo: Optional[str] = typer.Option(None, help=f"Planner SLOs in ms: ttft:MS,itl:MS (with --autoscale; default "
@@ -217,9 +219,10 @@ def command(
     model_dir = runtime_options.check_model(model, local_cluster=not ray_address, max_model_len=max_model_len)
     if speculative is not None and speculative.model:
         try:
-            runtime_options.check_model(speculative.model, local_cluster=not ray_address)
+            draft_dir = runtime_options.check_model(speculative.model, local_cluster=not ray_address)
         except UserError as e:
             raise UserError(f"--speculative-model: {e}") from None
+        runtime_options.check_draft_vocab_size(draft_dir, speculative.draft_vocab_size)
     rt = runtime_options.resolve_runtime(
         model_dir=model_dir, dtype=dtype, threads_per_worker=threads_per_worker,
         kv_cache_memory=kv_cache_memory, num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens,

@@ -85,6 +85,11 @@ def test_unknown_command_exit_2(argv, capsys):
      "--speculative-model: unknown model '/nonexistent'"),
     (["serve", "--speculative-method", "ngram", "--speculative-model", "smollm2-135m-instruct"],
      "--speculative-model is for --speculative-method draft"),
+    # found by a break-it pass: caught only inside the worker (a traceback, exit 1), or ignored
+    (["serve", "--speculative-method", "draft", "--speculative-model", "smollm2-135m-instruct",
+      "--speculative-draft-vocab-size", "49153"], "--speculative-draft-vocab-size must be in [1, 49152]"),
+    (["serve", "--speculative-quantization", "int8"], "--speculative-quantization needs --speculative-method"),
+    (["serve", "--spec-ngram-max", "8"], "--spec-ngram-max needs --speculative-method"),
     # planner flags without the planner were ignored without a word
     (["serve", "--slo", "ttft:500,itl:50"], "--slo is for the SLA planner: add --autoscale (with --profile), or drop --slo"),
     (["serve", "--profile", "/tmp/p.json"], "--profile is for the SLA planner: add --autoscale"),

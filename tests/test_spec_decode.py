@@ -403,7 +403,8 @@ def test_cli_flags_make_the_config_or_name_the_bad_flag():
     from engine.errors import UserError
     from engine.spec_decode.config import from_flags
 
-    assert from_flags(None, None, None, 4, 2) is None
+    assert from_flags(None, None, None, None, None) is None
+    assert from_flags("ngram", None, None, None, None).ngram_max == 4
     cfg = from_flags("ngram", 3, None, 5, 1)
     assert (cfg.num_speculative_tokens, cfg.ngram_max, cfg.ngram_min) == (3, 5, 1)
     assert from_flags("draft", 2, "smollm2-135m-instruct", 4, 2, "int8").quantization == "int8"
@@ -416,7 +417,9 @@ def test_cli_flags_make_the_config_or_name_the_bad_flag():
                        ((None, 2, None, 4, 2), "--speculative-method"),
                        (("ngram", 2, None, 4, 2, "none", 8192), "--speculative-draft-vocab-size"),
                        (("draft", 2, "m", 4, 2, "int8", 0), "--speculative-draft-vocab-size"),
-                       ((None, None, None, 4, 2, "none", 8192), "--speculative-draft-vocab-size")]:
+                       ((None, None, None, 4, 2, "none", 8192), "--speculative-draft-vocab-size"),
+                       ((None, None, None, None, None, "int8"), "--speculative-quantization needs"),
+                       ((None, None, None, None, 1), "--spec-ngram-min needs")]:
         with pytest.raises(UserError, match=flag):
             from_flags(*args)
 

@@ -58,18 +58,28 @@ def compat_descriptor(config: SpeculativeConfig | None) -> str:
     return "none" if config is None else config.compat_descriptor()
 
 
-def from_flags(method: str | None, num_speculative_tokens: int | None, model: str | None, ngram_max: int,
-               ngram_min: int, quantization: str = "none",
+def from_flags(method: str | None, num_speculative_tokens: int | None, model: str | None, ngram_max: int | None,
+               ngram_min: int | None, quantization: str = "none",
                draft_vocab_size: int | None = None) -> SpeculativeConfig | None:
     """The config of the vLLM-style CLI flags (None = speculation off: no --speculative-method).
-    Raises engine.errors.UserError naming the flag (the CLI prints one line, exit status 2)."""
+    ngram_max / ngram_min: None = not given (4 / 2). Raises engine.errors.UserError naming the flag
+    (the CLI prints one line, exit status 2), also for a speculation flag given without a method
+    (it would be ignored without a word)."""
     from engine.errors import UserError
 
     if not method:
-        if num_speculative_tokens is not None or model or draft_vocab_size is not None:
-            raise UserError("--num-speculative-tokens / --speculative-model / --speculative-draft-vocab-size need "
-                            "--speculative-method ngram|draft")
+        given = [flag for flag, value in (("--num-speculative-tokens", num_speculative_tokens is not None),
+                                          ("--speculative-model", bool(model)),
+                                          ("--speculative-draft-vocab-size", draft_vocab_size is not None),
+                                          ("--speculative-quantization", quantization not in (None, "none")),
+                                          ("--spec-ngram-max", ngram_max is not None),
+                                          ("--spec-ngram-min", ngram_min is not None)) if value]
+        if given:
+            raise UserError(f"{' / '.join(given)} need{'s' if len(given) == 1 else ''} --speculative-method "
+                            "ngram|draft (without it speculation is off)")
         return None
+    ngram_max = 4 if ngram_max is None else ngram_max
+    ngram_min = 2 if ngram_min is None else ngram_min
     if method not in ("ngram", "draft"):
         raise UserError(f"--speculative-method must be ngram or draft, got {method!r}")
     k = 4 if num_speculative_tokens is None else num_speculative_tokens
