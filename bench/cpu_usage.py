@@ -6,7 +6,7 @@ spin at every barrier and stall when one of them is descheduled, so another job'
 a slower server. ``bench peers`` prints this per server, so a row measured while something else
 ran says so (``other_cpu_s``) instead of passing as the server's speed.
 
-    usage = CpuWindow(server_pid)      # at the window's start
+    usage = CpuWindow(server_pid, process_label)   # at the window's start (bench/process_tree.py)
     ... usage.sample() every so often (a process that ends between samples loses its last part)
     doc = usage.finish()               # CpuUsage.as_dict()
 
@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from bench.process_tree import label_totals, process_tree
 
 _PROC_STAT = Path("/proc/stat")
 # /proc/stat "cpu" fields counted as busy: user nice system irq softirq steal (not idle, iowait;
@@ -50,13 +52,7 @@ def read_host_busy_seconds() -> float | None:
 def by_label(start: dict[int, tuple[str, float]], last: dict[int, tuple[str, float]]) -> list[tuple[str, int, float]]:
     """CPU seconds each label used between two views {pid: (label, cumulative CPU s)}: a pid in
     ``last`` only (born in the window) counts from 0. Returns (label, processes, seconds), most first."""
-    totals: dict[str, list] = {}
-    for pid, (label, cpu) in last.items():
-        used = max(0.0, cpu - start.get(pid, (label, 0.0))[1])
-        entry = totals.setdefault(label, [0, 0.0])
-        entry[0] += 1
-        entry[1] += used
-    return sorted(((k, n, s) for k, (n, s) in totals.items()), key=lambda x: -x[2])
+    return label_totals((label, max(0.0, cpu - start.get(pid, (label, 0.0))[1])) for pid, (label, cpu) in last.items())
 
 
 @dataclass(frozen=True)
@@ -113,12 +109,8 @@ class CpuWindow:
     def _view(self) -> dict[int, tuple[str, float]]:
         import psutil
 
-        try:
-            procs = [self._root, *self._root.children(recursive=True)]
-        except psutil.Error:
-            return {}
         out = {}
-        for p in procs:
+        for p in process_tree(self._root):
             try:
                 t = p.cpu_times()
                 out[p.pid] = (self._label(p.name(), p.cmdline()), t.user + t.system)

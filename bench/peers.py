@@ -39,6 +39,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from bench.cpu_usage import CpuWindow, usage_line
+from bench.process_tree import label_totals, process_label, process_tree
 from engine.errors import UserError
 
 READY_TIMEOUT_S = 900.0   # vLLM's first start compiles for minutes on a CPU
@@ -247,43 +248,22 @@ class RssSampler:
     def sample(self) -> int:
         import psutil
 
-        try:
-            procs = [self.root, *self.root.children(recursive=True)]
-        except psutil.Error:
-            return 0
-        by_label: dict[str, list[int]] = {}
-        for p in procs:
+        rss = []
+        for p in process_tree(self.root):
             try:
-                rss, label = p.memory_info().rss, process_label(p.name(), p.cmdline())
+                rss.append((process_label(p.name(), p.cmdline()), p.memory_info().rss))
             except psutil.Error:
                 continue
-            entry = by_label.setdefault(label, [0, 0])
-            entry[0] += 1
-            entry[1] += rss
-        total = sum(b for _, b in by_label.values())
+        by_label = label_totals(rss)
+        total = sum(b for _, _, b in by_label)
         if total > self.peak:
-            self.peak = total
-            self.peak_by_process = sorted(((k, n, b) for k, (n, b) in by_label.items()), key=lambda x: -x[2])
+            self.peak, self.peak_by_process = total, by_label
         return total
 
     def reset_peak(self) -> None:
         self.peak = 0
         self.peak_by_process = []
         self.sample()
-
-
-def process_label(name: str, cmdline: list[str]) -> str:
-    """A short label for a server's process: Ray's process titles as they are ("ray::WorkerActor",
-    "raylet"), a Python process by its module (-m X) or script file, anything else by its name."""
-    if not name.startswith("python") or name.startswith("ray::"):
-        return name
-    args = cmdline[1:]
-    for i, a in enumerate(args):
-        if a == "-m" and i + 1 < len(args):
-            return args[i + 1]
-        if a.endswith(".py"):
-            return Path(a).name
-    return name
 
 
 def stop(proc: subprocess.Popen) -> None:
