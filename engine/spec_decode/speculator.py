@@ -75,17 +75,7 @@ class Speculator:
         self.max_model_len = max_model_len
         self.proposer = proposer or NgramProposer(config.ngram_min, config.ngram_max)
         self.time_model = StepTimeModel()
-        # a draft model's forwards, apart from the target's step (None: proposals cost nothing)
-        self.draft_cost = None if self.proposer.is_free else DraftCost()
-        # a draft model is chosen to agree with its target (an 8-bit copy of the bundled model:
-        # ~93%), prompt lookup often finds nothing worth much: the priors before any verification
-        self._prior = prior = 0.5 if self.proposer.is_free else 0.8
-        # a new request starts at what every request's drafts scored lately (a draft model's
-        # agreement is mostly the model pair's): with a fixed prior below the break-even, a new
-        # request was never drafted for, so its estimate never moved (int8 self-draft at c1,
-        # measured: 7% of rows speculated at 0.91 acceptance, the first request's only)
-        self.pooled_acceptance = AcceptanceRate(prior=prior, decay=0.99)
-        self.acceptance: dict[str, AcceptanceRate] = {}
+        self._reset_estimates()
         self.previous_k: dict[str, int] = {}
         # the k of the latest speculable decode row: a new request's "previous k" for the
         # hysteresis, as its acceptance starts at the pooled one (measured, quiet, c1 int8 draft
@@ -225,8 +215,19 @@ class Speculator:
         self._idle_steps = 0 if verified or not had_room else self._idle_steps + 1
         if self._idle_steps >= REARM_STEPS:
             self._idle_steps = 0
-            self.pooled_acceptance = AcceptanceRate(prior=self._prior, decay=0.99)
-            self.acceptance.clear()
-            if self.draft_cost is not None:
-                self.draft_cost = DraftCost()
+            self._reset_estimates()
             self.counters.num_rearms += 1
+
+    def _reset_estimates(self) -> None:
+        """Acceptance (pooled and per request) and a draft model's cost at their priors: at the
+        start, and when estimates age out (_age)."""
+        # a draft model's forwards, apart from the target's step (None: proposals cost nothing)
+        self.draft_cost = None if self.proposer.is_free else DraftCost()
+        # a draft model is chosen to agree with its target (an 8-bit copy of the bundled model:
+        # ~93%), prompt lookup often finds nothing worth much: the priors before any verification.
+        # A new request starts at what every request's drafts scored lately (a draft model's
+        # agreement is mostly the model pair's): with a fixed prior below the break-even, a new
+        # request was never drafted for, so its estimate never moved (int8 self-draft at c1,
+        # measured: 7% of rows speculated at 0.91 acceptance, the first request's only)
+        self.pooled_acceptance = AcceptanceRate(prior=0.5 if self.proposer.is_free else 0.8, decay=0.99)
+        self.acceptance: dict[str, AcceptanceRate] = {}
