@@ -103,8 +103,9 @@ class MeasuredLinear(nn.Module):
 
         Only the chosen kernels are kept (with the weight copies they read); ``run_kernel``
         rebuilds any other from ``_candidates()`` when asked (tests, bench quant)."""
-        key = (self.method, self.out_features, self.in_features, dtype, device.type, torch.get_num_threads(),
-               tuple(kernels), decode_only)
+        # the activation group (int8) changes a kernel's work, as the shape does
+        key = (self.method, self.out_features, self.in_features, getattr(self, "group", None), dtype, device.type,
+               torch.get_num_threads(), tuple(kernels), decode_only)
         if key not in _choice_cache:
             evict = _cache_evictor(device)
             names = [_fastest(kernels, self.in_features, dtype, device, m, None if preferred is None else preferred[i],
