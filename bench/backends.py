@@ -91,7 +91,7 @@ class OpenAICompletionsBackend:
 
     def __init__(self, base_url: str, model: str, *, endpoint: str = "/v1/completions",
                  ignore_eos: bool = False, include_usage: bool = True, temperature: float = 0.0,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, api_key: str | None = None) -> None:
         import httpx
 
         self.model, self._timeout_s = model, timeout_s
@@ -101,7 +101,7 @@ class OpenAICompletionsBackend:
             self._extra["stream_options"] = {"include_usage": True}
         if ignore_eos:
             self._extra["ignore_eos"] = True
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s),
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), headers=auth_headers(api_key),
                                          limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
 
     async def send(self, index: int, req: SampleRequest, t0: float) -> RequestRecord:
@@ -153,13 +153,18 @@ class OpenAICompletionsBackend:
         await self._client.aclose()
 
 
-async def discover_openai_model(base_url: str, timeout_s: float = 10.0) -> str:
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The HTTP headers that carry ``api_key`` (none without one)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def discover_openai_model(base_url: str, timeout_s: float = 10.0, api_key: str | None = None) -> str:
     """The first model id the server lists at ``GET /v1/models``; UserError if it cannot be read."""
     import httpx
 
     url = base_url.rstrip("/") + "/v1/models"
     try:
-        async with httpx.AsyncClient(timeout=timeout_s) as c:
+        async with httpx.AsyncClient(timeout=timeout_s, headers=auth_headers(api_key)) as c:
             resp = await c.get(url)
             resp.raise_for_status()
             return str(resp.json()["data"][0]["id"])
@@ -168,18 +173,21 @@ async def discover_openai_model(base_url: str, timeout_s: float = 10.0) -> str:
 
 
 async def create_backend(name: str, url: str, model: str | None, *,
-                         ignore_eos: bool, include_usage: bool, timeout_s: float) -> Backend:
-    """The target ``name`` ("openai" or "pdserve-grpc") at ``url``; raises UserError for a bad name/url."""
+                         ignore_eos: bool, include_usage: bool, timeout_s: float,
+                         api_key: str | None = None) -> Backend:
+    """The target ``name`` ("openai" or "pdserve-grpc") at ``url``, sending ``api_key`` (if any) as a
+    bearer token; raises UserError for a bad name/url."""
     if name == "openai":
         if not url.startswith(("http://", "https://")):
             raise UserError(f"--url {url!r}: the openai backend needs http://HOST:PORT")
-        model = model or await discover_openai_model(url)
+        model = model or await discover_openai_model(url, api_key=api_key)
         return OpenAICompletionsBackend(url, model, ignore_eos=ignore_eos,
-                                        include_usage=include_usage, timeout_s=timeout_s)
+                                        include_usage=include_usage, timeout_s=timeout_s, api_key=api_key)
     if name == "pdserve-grpc":
         from bench.grpc_backend import PdserveGrpcBackend
 
-        return await PdserveGrpcBackend.connect(url, model, ignore_eos=ignore_eos, timeout_s=timeout_s)
+        return await PdserveGrpcBackend.connect(url, model, ignore_eos=ignore_eos, timeout_s=timeout_s,
+                                                api_key=api_key)
     raise UserError(f"unknown --backend {name!r}; choose one of {', '.join(BACKENDS)}")
 
 

@@ -20,16 +20,17 @@ from engine.errors import UserError
 class PdserveGrpcBackend:
     """Streaming client of pdserve's public gRPC API (one shared ``grpc.aio`` channel)."""
 
-    def __init__(self, channel, model: str, *, ignore_eos: bool, timeout_s: float) -> None:
+    def __init__(self, channel, model: str, *, ignore_eos: bool, timeout_s: float,
+                 metadata: tuple[tuple[str, str], ...] | None = None) -> None:
         from proto.pdserve.v1 import api_pb2_grpc
 
-        self.model = model
+        self.model, self._metadata = model, metadata
         self._channel, self._stub = channel, api_pb2_grpc.GenerationStub(channel)
         self._ignore_eos, self._timeout_s = ignore_eos, timeout_s
 
     @classmethod
     async def connect(cls, url: str, model: str | None, *, ignore_eos: bool = False,
-                      timeout_s: float = 600.0) -> "PdserveGrpcBackend":
+                      timeout_s: float = 600.0, api_key: str | None = None) -> "PdserveGrpcBackend":
         """Open a channel to ``HOST:PORT``; without ``model``, take the first one ListModels names.
         Raises UserError if the server cannot be reached or lists no model."""
         import grpc
@@ -39,9 +40,11 @@ class PdserveGrpcBackend:
         if "://" in url:
             raise UserError(f"--url {url!r}: the pdserve-grpc backend takes HOST:PORT, without a scheme")
         channel = grpc.aio.insecure_channel(url)
+        metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         if model is None:
             try:
-                listed = await api_pb2_grpc.GenerationStub(channel).ListModels(api_pb2.ListModelsRequest(), timeout=10.0)
+                listed = await api_pb2_grpc.GenerationStub(channel).ListModels(api_pb2.ListModelsRequest(), timeout=10.0,
+                                                                                  metadata=metadata)
             except grpc.aio.AioRpcError as e:
                 await channel.close()
                 raise UserError(f"ListModels at {url} failed ({e.code().name}: {e.details()}); pass --model NAME") from None
@@ -49,7 +52,7 @@ class PdserveGrpcBackend:
                 await channel.close()
                 raise UserError(f"{url} serves no model")
             model = listed.models[0].id
-        return cls(channel, model, ignore_eos=ignore_eos, timeout_s=timeout_s)
+        return cls(channel, model, ignore_eos=ignore_eos, timeout_s=timeout_s, metadata=metadata)
 
     async def send(self, index: int, req: SampleRequest, t0: float) -> RequestRecord:
         import grpc
@@ -65,7 +68,7 @@ class PdserveGrpcBackend:
         rec.start_s = s.st - t0
         num_token_ids = 0
         try:
-            async for resp in self._stub.Generate(request, timeout=self._timeout_s):
+            async for resp in self._stub.Generate(request, timeout=self._timeout_s, metadata=self._metadata):
                 s.on_event()
                 if resp.ttft_seconds and rec.server_ttft_s is None:
                     rec.server_ttft_s = resp.ttft_seconds

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 
@@ -64,6 +64,7 @@ def command(
     slo: Annotated[Optional[str], typer.Option(help="SLOs in ms, e.g. ttft:200,tpot:50 (also e2el).", rich_help_panel=_LOAD)] = None,
     attainment_target: Annotated[float, typer.Option(help="Sweep goodput: highest rate with at least this SLO attainment.", rich_help_panel=_LOAD)] = 0.9,
     timeout: Annotated[float, typer.Option(help="Per-request timeout (s); a timed-out request counts as failed.", rich_help_panel=_LOAD)] = 600.0,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="The target's API key, sent as 'Authorization: Bearer KEY' (default: $PDSERVE_API_KEY).", rich_help_panel=_LOAD)] = None,
     no_stream_usage: Annotated[bool, typer.Option("--no-stream-usage", help="Do not send stream_options.include_usage (for servers that reject it).", rich_help_panel=_LOAD)] = False,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write every figure and per-request record here.", rich_help_panel=_OUT)] = None,
     plot: Annotated[Optional[Path], typer.Option(help="Write PNG plots into this directory.", rich_help_panel=_OUT)] = None,
@@ -73,6 +74,7 @@ def command(
     from bench.datasets import DatasetConfig
     from bench.load import LoadConfig, RunResult
     from bench.metrics import SLO
+    from router.auth import resolve_api_key
 
     rates = parse_rates(sweep_rates) if sweep_rates else [request_rate]
     data_cfg = DatasetConfig(dataset, dataset_path, num_prompts, max_tokens, input_len, output_len, range_ratio,
@@ -83,7 +85,8 @@ def command(
     spec = BenchSpec(backend=backend, url=url or default_url(backend), model=model, tokenizer=tokenizer,
                      dataset=data_cfg, loads=load_cfgs, slo=SLO.parse(slo), sweep=sweep_rates is not None,
                      attainment_target=attainment_target, ignore_eos=ignore_eos,
-                     include_usage=not no_stream_usage, timeout_s=timeout)
+                     include_usage=not no_stream_usage, timeout_s=timeout,
+                     api_key=resolve_api_key(api_key))
     emit(asyncio.run(run_benchmark(spec)), json_out, plot)
 
 
@@ -103,6 +106,7 @@ class BenchSpec:
     ignore_eos: bool
     include_usage: bool
     timeout_s: float
+    api_key: str | None = field(default=None, repr=False)   # never printed or written to the JSON
 
 
 @dataclass
@@ -139,7 +143,7 @@ async def run_benchmark(spec: BenchSpec) -> BenchOutcome:
     tok = LazyTokenizer(spec.tokenizer, spec.model)
     target = await create_backend(spec.backend, spec.url, spec.model,
                                   ignore_eos=spec.ignore_eos, include_usage=spec.include_usage,
-                                  timeout_s=spec.timeout_s)
+                                  timeout_s=spec.timeout_s, api_key=spec.api_key)
     tok.set_model(target.model)
     docs, records = [], []
     try:

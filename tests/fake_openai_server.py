@@ -9,7 +9,8 @@ Per-request overrides inside the prompt: ``[[ttft=200]]``, ``[[itl=30]]``, ``[[f
 (answer HTTP 500), ``[[fail=midstream]]`` (two tokens, then an error event), ``[[fail=eos]]``
 (a normal reply whose only token is EOS: one chunk with empty text), ``[[fail=empty]]`` (no chunk
 at all, just ``[DONE]``).
-``GET /stats`` reports requests seen, in flight now, and the most ever in flight at once;
+``GET /stats`` reports requests seen, in flight now, the most ever in flight at once, and the
+``Authorization`` header of the last completion request (None without one);
 ``POST /reset`` zeroes them.
 
 Run: ``python tests/fake_openai_server.py --ttft-ms 50 --itl-ms 10`` prints ``PORT <n>`` once listening.
@@ -44,6 +45,7 @@ class Counters:
     requests: int = 0
     in_flight: int = 0
     max_in_flight: int = 0
+    last_authorization: str | None = None
 
     def enter(self) -> None:
         self.requests += 1
@@ -71,17 +73,20 @@ def create_app(default: Schedule):
 
     @app.get("/stats")
     async def stats() -> dict:
-        return {"requests": counters.requests, "in_flight": counters.in_flight, "max_in_flight": counters.max_in_flight}
+        return {"requests": counters.requests, "in_flight": counters.in_flight, "max_in_flight": counters.max_in_flight,
+                "last_authorization": counters.last_authorization}
 
     @app.post("/reset")
     async def reset() -> dict:
         counters.requests = counters.max_in_flight = 0
+        counters.last_authorization = None
         return {}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         t_arrival = time.perf_counter()
         body = await request.json()
+        counters.last_authorization = request.headers.get("authorization")
         sched = default.with_overrides(body["prompt"])
         if sched.fail == "500":
             return JSONResponse({"error": {"message": "injected failure", "type": "server_error"}}, status_code=500)

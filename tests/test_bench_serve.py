@@ -136,6 +136,17 @@ def test_warmup_requests_are_sent_but_excluded(server, tmp_path):
     assert all(r["index"] >= 0 for r in out.doc["requests"])
 
 
+def test_api_key_is_sent_as_a_bearer_token_and_kept_out_of_the_json(server, tmp_path):
+    reset(server)
+    data = DatasetConfig("sharegpt", prompts_file(tmp_path, ["a b"]), num_prompts=1, max_tokens=2)
+    out = run(dataclasses.replace(spec(server, dataset=data), api_key="s3cret-key"))
+    assert out.doc["completed"] == 1
+    assert stats(server)["last_authorization"] == "Bearer s3cret-key"
+    assert "s3cret-key" not in json.dumps(out.doc)
+    run(spec(server, dataset=data))   # without a key: no header at all
+    assert stats(server)["last_authorization"] is None
+
+
 # --- load -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("rate", [0.5, 4.0, 100.0])
