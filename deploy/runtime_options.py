@@ -150,15 +150,20 @@ class RuntimeOptions:
     kv_cache_memory_bytes: int | None
     max_num_batched_tokens: int
 
-    def describe(self) -> str:
-        """The start-up line: dtype and why, ISA, threads and cores, KV cache."""
+    def describe(self, prefill_kv_cache_memory_bytes: int | None = None) -> str:
+        """The start-up line: dtype and why, ISA, threads and cores, KV cache (a prefill worker's
+        too, where it differs: ``prefill_kv_cache_memory_bytes``, see default_prefill_kv_cache_bytes)."""
         kv = (f"{self.num_blocks} KV blocks" if self.num_blocks is not None
               else f"KV cache {platform.format_bytes(self.kv_cache_memory_bytes or 0)}")
+        if prefill_kv_cache_memory_bytes:
+            kv += f" per decode worker, {platform.format_bytes(prefill_kv_cache_memory_bytes)} per prefill worker,"
+        else:
+            kv += " per worker,"
         where = ("" if self.cores is None else
                  " on cores " + " | ".join(platform.format_cores(c) for c in self.cores))
         shared = " (more workers than cores: cores shared)" if self.shared_cores else ""
         return (f"dtype {self.dtype} ({self.dtype_reason}), isa {platform.cpu_isa()}, "
-                f"{self.threads} thread(s) per worker{where}{shared}, {kv} per worker, "
+                f"{self.threads} thread(s) per worker{where}{shared}, {kv} "
                 f"max_num_batched_tokens {self.max_num_batched_tokens}")
 
 

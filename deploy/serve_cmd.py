@@ -260,7 +260,7 @@ def command(
                           worker_poll_interval_s=worker_poll_interval, worker_rpc_timeout_s=worker_rpc_timeout,
                           routing=routing, api_key=api_key, max_body_bytes=max_body_bytes,
                           internal_secret=internal_secret, tls=tls, internal_tls=internal_tls)
-    print(f"pdserve: {rt.describe()}", flush=True)
+    print(f"pdserve: {rt.describe(spec.prefill_kv_cache_memory_bytes if num_prefill else None)}", flush=True)
     scaling = scaling_options(autoscale, slo, profile, planner_interval, min_prefill, max_prefill, min_decode,
                               max_decode, admin_port, mode, metrics_port)
     asyncio.run(_serve(spec, router, ray_address or None, routers, scaling))

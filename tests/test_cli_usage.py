@@ -220,9 +220,10 @@ def test_autoscale_takes_the_slo_and_interval(monkeypatch, tmp_path):
     assert (planner.ttft_slo_ms, planner.itl_slo_ms, planner.interval_s) == (2000.0, 200.0, 60.0)
 
 
-def test_serve_disagg_defaults_give_each_role_its_step_budget(monkeypatch):
+def test_serve_disagg_defaults_give_each_role_its_step_budget(monkeypatch, capsys):
     """Defaults (captured, nothing started): the prefill worker steps in 2048-token chunks, the decode
-    worker keeps the chunked-prefill budget and takes the idle budget in a burst."""
+    worker keeps the chunked-prefill budget and takes the idle budget in a burst; the start-up line
+    gives each role's KV cache."""
     from deploy import runtime_options, serve_cmd
 
     captured = {}
@@ -239,8 +240,12 @@ def test_serve_disagg_defaults_give_each_role_its_step_budget(monkeypatch):
     assert d.idle_max_num_batched_tokens == runtime_options.DEFAULT_IDLE_MAX_NUM_BATCHED_TOKENS
     assert p.prefill_first_ratio == d.prefill_first_ratio == runtime_options.DEFAULT_PREFILL_FIRST_RATIO
     assert p.kv_cache_memory_bytes == int(d.kv_cache_memory_bytes * runtime_options.DEFAULT_PREFILL_KV_FRACTION)
+    fmt = runtime_options.platform.format_bytes
+    assert (f"KV cache {fmt(d.kv_cache_memory_bytes)} per decode worker, {fmt(p.kv_cache_memory_bytes)} per prefill "
+            "worker") in capsys.readouterr().out
     cli.main(["serve", "--mode", "disagg", "--prefill-max-num-batched-tokens", "64", "--max-num-batched-tokens", "96",
               "--kv-cache-memory", "256MiB"])
+    assert f"KV cache {fmt(256 * 2**20)} per worker," in capsys.readouterr().out
     by_role = {w.role: w for w in captured["spec"].worker_configs()}
     assert (by_role["prefill"].max_num_batched_tokens, by_role["decode"].max_num_batched_tokens) == (64, 96)
     assert by_role["prefill"].kv_cache_memory_bytes == by_role["decode"].kv_cache_memory_bytes == 256 * 2**20
