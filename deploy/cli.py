@@ -15,6 +15,7 @@ from typer.exceptions import TyperException
 from bench import ablate as bench_ablate
 from bench import attention as bench_attention
 from bench import compare as bench_compare
+from bench import decoder_loop as bench_decoder_loop
 from bench import engine as bench_engine
 from bench import gpu_check as bench_gpu_check
 from bench import kv_transfer as bench_kv_transfer
@@ -47,6 +48,7 @@ app.command("scale")(scale_cmd.command)
 app.command("profile")(bench_profile.command)
 bench_app.command("engine")(bench_engine.command)
 bench_app.command("attention")(bench_attention.command)
+bench_app.command("decoder-loop")(bench_decoder_loop.command)
 bench_app.command("offline")(bench_offline.command)
 bench_app.command("quant")(bench_quant.command)
 bench_app.command("kv-transfer")(bench_kv_transfer.command)

@@ -27,6 +27,7 @@ from engine.quantization.checkpoint import Fp8Weight, split_fp8
 from engine.quantization.kv_scales import CALIBRATION_TEXT, KVScales, load_or_calibrate, scales_from_amax
 from engine.models.llama import LlamaForCausalLM
 from kernels.attention import AttentionMetadata, get_attention_backend
+from kernels.decoder_loop import build_decoder_loop
 from kernels.layer_ops import get_layer_ops
 from kernels.linear import kernel_summary, release_freed_memory
 
@@ -47,14 +48,16 @@ class ModelRunner:
         quantization: how the decoder's linears run, chosen once here (engine.quantization:
         "none", "int8", "fp8"). kv_cache_dtype: "auto" (= dtype) or "fp8_e4m3". layer_ops: the
         decoder's small ops (kernels.layer_ops.LAYER_OPS: "auto" = the C++ ones on CPU when they
-        build), the choice is ``self.layer_ops``.
+        build), the choice is ``self.layer_ops``. decoder_loop: run the decoder layers through the
+        fused C++ loop where it covers a forward (kernels/decoder_loop.py; logged at load, and
+        ``self.model.decoder_path`` names the loop the last forward ran); False: the Python loop.
     """
 
     def __init__(self, model_path_or_config: str | os.PathLike[str] | ModelConfig, *, block_size: int = 16,
                  num_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  attention_backend: str = "auto", quantization: str = "none",
-                 kv_cache_dtype: str = "auto", layer_ops: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", layer_ops: str = "auto", decoder_loop: bool = True) -> None:
         if isinstance(model_path_or_config, ModelConfig):
             self.model_config = model_path_or_config
         else:
@@ -92,6 +95,22 @@ class ModelRunner:
                            block_size=block_size, num_blocks=num_blocks, dtype=cache_dtype,
                            scales_digest=self.kv_scales.digest() if self.kv_scales is not None else "")
         self.kv_cache = PagedKVCache(spec, device=self.device)
+        self._use_decoder_loop(decoder_loop)
+
+    def _use_decoder_loop(self, wanted: bool) -> None:
+        """Build the fused C++ layer loop (kernels/decoder_loop.py) after the linears and the KV
+        scales are set, and say at load which forwards will run the Python loop and why."""
+        self.model.decoder_loop = None
+        if not wanted:
+            log.info("decoder loop: python (decoder_loop=False)")
+            return
+        loop, reason = build_decoder_loop(self.model)
+        self.model.decoder_loop = loop
+        if loop is None:
+            log.info("decoder loop: python for every forward: %s", reason)
+        else:
+            log.info("decoder loop: fused C++ with the cpu attention backend and no layer hook%s",
+                     f"; python for {reason}" if reason else "")
 
     def _use_fp8_kv_cache(self) -> None:
         """Load (or calibrate once and store) the model's KV scales and hand them to every layer."""

@@ -24,6 +24,7 @@ from torch import nn
 from engine.kv_cache import PagedKVCache
 from engine.model_config import ModelConfig, RopeConfig
 from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.decoder_loop import DecoderLoop
 from kernels.layer_ops import TorchLayerOps, apply_rope  # noqa: F401  (apply_rope: re-exported)
 
 
@@ -172,6 +173,10 @@ class LlamaForCausalLM(nn.Module):
         self.layer_ops: TorchLayerOps = TorchLayerOps()
         # The LM head's linear method, set at load by engine.quantization (None: F.linear on the weight).
         self.head_method: nn.Module | None = None
+        # The fused C++ layer loop (kernels/decoder_loop.py), set at load by the runner (None: the
+        # Python loop below always); decoder_path names the loop the last forward ran.
+        self.decoder_loop: DecoderLoop | None = None
+        self.decoder_path = ""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
                 meta: AttentionMetadata, logits_indices: torch.Tensor | None, ops: AttentionBackend,
@@ -186,11 +191,17 @@ class LlamaForCausalLM(nn.Module):
         lops = self.layer_ops
         x = self.model.embed_tokens(input_ids)   # a fresh tensor: it becomes the residual stream
         cos, sin = lops.rope_tables(positions, self.inv_freq.to(x.device), x.dtype)
-        residual = None
-        for l, layer in enumerate(self.model.layers):
-            x, residual = layer.forward(x, residual, cos, sin, kv_cache.key(l), kv_cache.value(l), meta, ops, lops)
-            if layer_hook is not None:
-                layer_hook(l)
+        loop = self.decoder_loop
+        if loop is not None and loop.covers(x.shape[0], ops, lops, layer_hook):
+            x, residual = loop.run(x, cos, sin, kv_cache, meta)
+            self.decoder_path = "fused"
+        else:   # the reference loop (and everything the fused one does not cover)
+            residual = None
+            for l, layer in enumerate(self.model.layers):
+                x, residual = layer.forward(x, residual, cos, sin, kv_cache.key(l), kv_cache.value(l), meta, ops, lops)
+                if layer_hook is not None:
+                    layer_hook(l)
+            self.decoder_path = "python"
         norm = self.model.norm
         if logits_indices is None:   # every row: the last residual add fused into the final norm
             x = lops.add_rms_norm(x, residual, norm.weight, norm.eps)

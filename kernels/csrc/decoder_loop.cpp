@@ -1,0 +1,193 @@
+// The whole decoder-layer stack of one forward in one call: for every layer, RMSNorm (with the
+// residual add), the fused QKV linear, RoPE and the Q/K/V split, the KV-cache write, paged
+// attention, o_proj, the add-norm, the fused gate/up linear, SiLU-and-multiply and down_proj.
+//
+// Why: at decode batch sizes the Python loop over 30 layers made ~3,000 Python calls a step
+// (module attribute lookups, the linear and layer-op wrappers, torch.ops overload resolution,
+// argument checks): 2-3.4 ms of an 8-14 ms step of SmolLM2-135M (torch.profiler op self-times
+// against the step's wall clock, 2 threads). Here the same kernels run in the same order with
+// the same arguments, so the result is the Python loop's bit for bit; only the Python between
+// them is gone (one Python -> C++ crossing a forward instead of ~300).
+//
+// Every kernel is called through c10's dispatcher with a typed handle looked up once (the ops of
+// layer_ops.cpp, kv_cache_write.cpp, paged_attention.cpp, small_gemm.cpp, int8_gemm.cpp and aten's
+// linear; oneDNN's prepacked linear boxed, as its schema has no fixed C++ signature here), so this
+// file depends on those ops' schemas only, never on their code. Which kernel each linear runs
+// (for this forward's row count) is decided in Python (kernels/decoder_loop.py) and handed over
+// as a descriptor list; the layer's tensors come as one flat list:
+//
+//   layer_tensors, per layer (TENSORS_PER_LAYER): input_layernorm.weight, post_attention_layernorm
+//     .weight, k_scale, v_scale (FP8 cache; placeholders otherwise), then per linear (qkv, o,
+//     gate_up, down) three: operand a (packed weight / weight), operand b (int8 weight scales or a
+//     placeholder), bias (or a placeholder).
+//   linear_desc, per layer and linear: kind (LinearKind), n (output features), group (int8
+//     activation group), has_bias.
+//   dims: num_heads, num_kv_heads, head_dim, has_kv_scales.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+namespace {
+
+enum LinearKind : int64_t { kSmallGemm = 0, kW8A8 = 1, kDense = 2, kOneDnnPacked = 3 };
+constexpr int64_t kLinears = 4;                 // qkv, o, gate_up, down
+constexpr int64_t kTensorsPerLayer = 4 + 3 * kLinears;
+constexpr int64_t kDescPerLinear = 4;
+
+using OptTensor = std::optional<at::Tensor>;
+
+c10::OperatorHandle find(const char* name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); }
+
+struct Ops {
+  c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Tensor&, double)> rms_norm =
+      find("pdserve_ops::rms_norm").typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+  c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, at::Tensor&, const at::Tensor&, double)> add_rms_norm =
+      find("pdserve_ops::add_rms_norm")
+          .typed<void(at::Tensor&, const at::Tensor&, at::Tensor&, const at::Tensor&, double)>();
+  c10::TypedOperatorHandle<void(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&)>
+      rope_split = find("pdserve_ops::rope_split")
+                       .typed<void(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&)>();
+  c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&)> silu_mul =
+      find("pdserve_ops::silu_mul").typed<void(at::Tensor&, const at::Tensor&)>();
+  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+                                const OptTensor&, const OptTensor&)>
+      write_kv = find("pdserve_attn::write_kv_cache")
+                     .typed<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+                                 const OptTensor&, const OptTensor&)>();
+  c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, const at::Tensor&, double, const OptTensor&,
+                                const OptTensor&, int64_t)>
+      attention = find("pdserve_attn::paged_attention")
+                      .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&, const at::Tensor&, const at::Tensor&, double, const OptTensor&,
+                                  const OptTensor&, int64_t)>();
+};
+
+const Ops& ops() {
+  static const Ops o;   // looked up on first use: every library has registered its ops by then
+  return o;
+}
+
+// The kernels that need only their schema at first use (a CPU without AVX512-BF16/VNNI never
+// picks them, and the int8/bf16 GEMM libraries always register, so the lookups cannot fail).
+const c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>& small_gemm() {
+  static const auto h =
+      find("pdserve_gemm::small_gemm_bf16").typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
+  return h;
+}
+
+const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>&
+w8a8_gemm() {
+  static const auto h = find("pdserve_int8::w8a8_gemm")
+                            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
+  return h;
+}
+
+const c10::OperatorHandle& onednn_linear() {
+  static const auto h = find("mkldnn::_linear_pointwise");
+  return h;
+}
+
+// x [M, K] -> [M, n], as kernels/linear.py's chosen kernel computes it (bias added after, as there).
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor* t, const int64_t* d) {
+  const int64_t kind = d[0], n = d[1], group = d[2];
+  at::Tensor y;
+  switch (kind) {
+    case kSmallGemm: {
+      const at::Tensor x = x_in.stride(-1) == 1 ? x_in : x_in.contiguous();
+      y = at::empty({x.size(0), n}, x.options());
+      small_gemm().call(y, x, t[0], n);
+      break;
+    }
+    case kW8A8:
+      y = w8a8_gemm().call(x_in, t[0], t[1], n, group);
+      break;
+    case kDense:
+      y = at::linear(x_in, t[0]);
+      break;
+    case kOneDnnPacked: {
+      torch::jit::Stack stack{x_in, t[0], c10::IValue(), c10::IValue("none"),
+                              c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue("")};
+      onednn_linear().callBoxed(stack);
+      y = std::move(stack[0]).toTensor();
+      break;
+    }
+    default:
+      TORCH_CHECK(false, "decoder_loop: unknown linear kind ", kind);
+  }
+  return d[3] ? y + t[2] : y;
+}
+
+std::tuple<at::Tensor, at::Tensor> decoder_loop(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
+                                                at::TensorList key_caches, at::TensorList value_caches,
+                                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                                at::TensorList layer_tensors, at::IntArrayRef linear_desc,
+                                                at::IntArrayRef dims, double eps, double scale) {
+  const int64_t layers = static_cast<int64_t>(key_caches.size());
+  TORCH_CHECK(dims.size() == 4, "decoder_loop: dims must be [num_heads, num_kv_heads, head_dim, has_kv_scales]");
+  TORCH_CHECK(static_cast<int64_t>(value_caches.size()) == layers &&
+                  static_cast<int64_t>(layer_tensors.size()) == layers * kTensorsPerLayer &&
+                  static_cast<int64_t>(linear_desc.size()) == layers * kLinears * kDescPerLinear,
+              "decoder_loop: ", layers, " key caches need as many value caches, ", layers * kTensorsPerLayer,
+              " layer tensors and ", layers * kLinears * kDescPerLinear, " descriptor entries; got ",
+              value_caches.size(), ", ", layer_tensors.size(), ", ", linear_desc.size());
+  TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous(), "decoder_loop: x must be a contiguous [T, H] tensor");
+  const int64_t hq = dims[0], hkv = dims[1], hd = dims[2], t = x_in.size(0);
+  const bool kv_scales = dims[3] != 0;
+  const Ops& o = ops();
+  const auto opts = x_in.options();
+
+  at::Tensor x = x_in, residual = x_in;   // the first layer's residual is the embeddings (updated in place)
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* lt = layer_tensors.data() + l * kTensorsPerLayer;
+    const int64_t* ld = linear_desc.data() + l * kLinears * kDescPerLinear;
+    const OptTensor k_scale = kv_scales ? OptTensor(lt[2]) : std::nullopt;
+    const OptTensor v_scale = kv_scales ? OptTensor(lt[3]) : std::nullopt;
+
+    at::Tensor h = at::empty_like(x);
+    if (l == 0) {
+      o.rms_norm.call(h, x, lt[0], eps);
+    } else {
+      o.add_rms_norm.call(h, x, residual, lt[0], eps);
+    }
+    at::Tensor qkv = linear(h, lt + 4, ld);
+    if (qkv.stride(-1) != 1) qkv = qkv.contiguous();
+    // One allocation for q | k | v, each contiguous (as CppLayerOps.rope_split).
+    at::Tensor flat = at::empty({t * (hq + 2 * hkv) * hd}, qkv.options());
+    at::Tensor q = flat.narrow(0, 0, t * hq * hd).view({t, hq, hd});
+    at::Tensor k = flat.narrow(0, t * hq * hd, t * hkv * hd).view({t, hkv, hd});
+    at::Tensor v = flat.narrow(0, t * (hq + hkv) * hd, t * hkv * hd).view({t, hkv, hd});
+    o.rope_split.call(q, k, v, qkv, cos, sin);
+    at::Tensor kc = key_caches[l], vc = value_caches[l];
+    o.write_kv.call(k, v, kc, vc, slot_mapping, k_scale, v_scale);
+    at::Tensor attn = at::empty_like(q);
+    o.attention.call(attn, q, kc, vc, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, 0);
+    at::Tensor out = linear(attn.view({t, hq * hd}), lt + 7, ld + kDescPerLinear);
+    h = at::empty(out.sizes(), opts);
+    o.add_rms_norm.call(h, out, residual, lt[1], eps);
+    at::Tensor gate_up = linear(h, lt + 10, ld + 2 * kDescPerLinear);
+    at::Tensor act = at::empty({t, gate_up.size(1) / 2}, opts);
+    o.silu_mul.call(act, gate_up);
+    x = linear(act, lt + 13, ld + 3 * kDescPerLinear);
+  }
+  return {x, residual};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve_loop, m) {
+  m.def("decoder_loop(Tensor x, Tensor cos, Tensor sin, Tensor[] key_caches, Tensor[] value_caches, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
+        "Tensor[] layer_tensors, int[] linear_desc, int[] dims, float eps, float scale) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_loop, CPU, m) { m.impl("decoder_loop", &decoder_loop); }
+// oneDNN's prepacked weights are MkldnnCPU tensors: a forward whose prefill linears read them
+// dispatches on that key.
+TORCH_LIBRARY_IMPL(pdserve_loop, MkldnnCPU, m) { m.impl("decoder_loop", &decoder_loop); }

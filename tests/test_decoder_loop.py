@@ -1,0 +1,68 @@
+"""The fused C++ decoder loop (kernels/decoder_loop.py) against the Python layer loop, on the real
+model: the same logits bit for bit (bf16: unquantized, int8, an FP8 KV cache; prefill chunks in each row bucket,
+a continued chunk, decode steps), and the forwards it does not cover run the Python loop.
+
+Each check asserts which loop ran (``model.decoder_path``), so a fused path that silently fell
+back fails here. Skipped, with the reason, only where the kernel library cannot be built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.batch import SeqChunk
+from engine.model_runner import ModelRunner
+from kernels.cpu_attention import load_extension
+
+
+@pytest.fixture(scope="module", params=[("none", "auto"), ("int8", "auto"), ("none", "fp8_e4m3")],
+                ids=["bf16", "int8", "fp8-kv"])
+def runner(request, model_path) -> ModelRunner:
+    op, reason = load_extension()
+    if op is None:
+        pytest.skip(f"the kernel library cannot be built here: {reason}")
+    quantization, kv_cache_dtype = request.param
+    return ModelRunner(model_path, dtype=torch.bfloat16, num_blocks=48, quantization=quantization,
+                       kv_cache_dtype=kv_cache_dtype)
+
+
+def _forward(runner: ModelRunner, chunks: list[SeqChunk], path: str) -> torch.Tensor:
+    loop = runner.model.decoder_loop
+    runner.model.decoder_loop = loop if path == "fused" else None
+    try:
+        logits = runner.forward(chunks)
+    finally:
+        runner.model.decoder_loop = loop
+    assert runner.model.decoder_path == path
+    return logits
+
+
+def test_fused_loop_equals_python_loop(runner):
+    """Both loops over the same tokens, each into its own blocks: equal logits at every forward."""
+    assert runner.model.decoder_loop is not None
+    long = list(range(3, 3 + 140))   # > 128 rows: the prefill bucket (oneDNN / int8 prefill kernels)
+    short = list(range(50, 50 + 9))
+    tables = {"python": ([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [10, 11]), "fused": ([20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [30, 31])}
+    steps = [
+        lambda t: [SeqChunk(long, 0, t[0], 1)],                                   # 140-token prefill
+        lambda t: [SeqChunk(short[:5], 0, t[1], 5)],                               # a 5-row chunk, every row's logits
+        lambda t: [SeqChunk(short[5:], 5, t[1], 1), SeqChunk([7], 140, t[0], 1)],  # continued chunk + a decode row
+        lambda t: [SeqChunk([8], 141, t[0], 1), SeqChunk([9], 9, t[1], 1)],        # decode, batch 2
+        lambda t: [SeqChunk([10], 142, t[0], 1)],                                  # decode, batch 1
+    ]
+    for i, step in enumerate(steps):
+        expected = _forward(runner, step(tables["python"]), "python")
+        got = _forward(runner, step(tables["fused"]), "fused")
+        assert torch.equal(got, expected), f"step {i}: max |diff| {(got - expected).abs().max().item()}"
+
+
+def test_uncovered_forwards_run_the_python_loop(runner):
+    """A layer hook, and any attention backend but the in-place CPU kernel, take the Python loop."""
+    seen: list[int] = []
+    runner.forward([SeqChunk([1, 2, 3], 0, [40], 1)], layer_hook=seen.append)
+    assert runner.model.decoder_path == "python"
+    assert seen == list(range(runner.model_config.num_layers))
+    runner.forward([SeqChunk([1, 2, 3], 0, [41], 1)], pad_to_longest=True)   # the torch reference backend
+    assert runner.model.decoder_path == "python"
+    runner.forward([SeqChunk([1, 2, 3], 0, [42], 1)])
+    assert runner.model.decoder_path == "fused"
