@@ -4,10 +4,16 @@
 //
 // Work items. A sequence's chunk is cut into query tiles of at most kTileRows rows per KV head
 // (a row = one query token x one of the G query heads that share the KV head: decode has G rows,
-// a 16-token tile 16 G). One item = one tile of one sequence over one KV head, or over all its
-// KV heads when there are enough tiles for every thread (each cache block is then one contiguous
-// range of memory). Items go to torch's intra-op threads (at::parallel_for, OpenMP) through an
-// atomic counter, so tiles of different cost balance.
+// a 16-token tile 16 G). One item = one tile of one sequence over one KV head, or, for a tile
+// of at least PDSERVE_ATTN_WHOLE_MIN_ROWS (16) rows per KV head when there are enough tiles for
+// every thread, over all its KV heads (each cache block is then one contiguous range of memory).
+// Decode and short verification tiles stay one item per KV head even at large batches: with
+// K/V cold (shuffled tables) that measured 1.24-1.37x faster than one item over all heads (one
+// thread, bf16: b16 ctx ~150 176 -> 137 us a layer, b32 359 -> 290, b16 ctx ~400 430 -> 315, b4
+// 46 -> 39, b1 unchanged; 2026-12-02, load 5, A/B in one process through the env knob
+// PDSERVE_ATTN_WHOLE_MIN_ROWS=0, which restores the earlier choice). Items go to torch's
+// intra-op threads (at::parallel_for, OpenMP) through an atomic counter, so tiles of different
+// cost balance.
 //
 // Inside an item the visible keys (0 .. start + last query of the tile) are taken in partitions
 // of about kPartitionKeys keys (whole blocks), each in three passes over its blocks:
@@ -26,6 +32,12 @@
 // next, claimed in advance): block tables are shuffled, so no hardware prefetcher finds them, and with
 // the next block only decode spent about 2/3 of its time waiting on DRAM (one thread, b16 ctx 256:
 // 430 us a layer with K/V cold, 119 us with them in cache).
+// Tried and not kept (2026-12-02, one thread, K/V cold, A/B in one process): reading each
+// partition's K/V blocks first in one burst of plain loads (every line, nothing between them),
+// then computing on them from L2: 1.1-1.18x on items over all KV heads (b16 ctx ~150 175 -> 155
+// us a layer) but 1.5-1.7x slower on one-head items (strided rows: b1 ctx 1024 50 -> 96 us), and
+// one-head items without it are faster still (137 us). Removing every software prefetch: no
+// slower on all-heads items, but a variant whose prefetch loops did not unroll was 1.4x slower.
 // PDSERVE_ATTN_DECODE=fp32 (read at each call) restores the fp32 P V and the one-block prefetch:
 // the earlier kernel, kept for A/B measurements (bench/attention.py) and as a fallback.
 // This is the two-pass softmax within a partition and FlashAttention's online rescaling between
@@ -92,6 +104,9 @@ using pdserve_simd::load16;
 #endif
 #ifndef PDSERVE_ATTN_EARLY_V_PREFETCH
 #define PDSERVE_ATTN_EARLY_V_PREFETCH 1
+#endif
+#ifndef PDSERVE_ATTN_WHOLE_MIN_ROWS
+#define PDSERVE_ATTN_WHOLE_MIN_ROWS 16
 #endif
 #ifndef PDSERVE_ATTN_WHOLE_MAX_ROWS
 #define PDSERVE_ATTN_WHOLE_MAX_ROWS 1024
@@ -1087,9 +1102,12 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, 
   // several items (split-K) until every thread has about two items.
   int max_tile_q = 0;
   for (const Tile& t : tiles) max_tile_q = std::max(max_tile_q, t.q1 - t.q0);
-  const bool whole = static_cast<int64_t>(tiles.size()) >= 2 * threads && max_tile_q * c.group <= PDSERVE_ATTN_WHOLE_MAX_ROWS;
-  const int64_t per_tile = whole ? 1 : num_kv_heads;
-  const int64_t base_items = static_cast<int64_t>(tiles.size()) * per_tile;
+  const bool enough = static_cast<int64_t>(tiles.size()) >= 2 * threads && max_tile_q * c.group <= PDSERVE_ATTN_WHOLE_MAX_ROWS;
+  const char* min_rows_env = std::getenv("PDSERVE_ATTN_WHOLE_MIN_ROWS");   // A/B knob: 0 = every tile whole
+  const int whole_min_rows = min_rows_env != nullptr ? std::atoi(min_rows_env) : PDSERVE_ATTN_WHOLE_MIN_ROWS;
+  auto whole_tile = [&](const Tile& t) { return enough && (t.q1 - t.q0) * c.group >= whole_min_rows; };
+  int64_t base_items = 0;
+  for (const Tile& t : tiles) base_items += whole_tile(t) ? 1 : num_kv_heads;
   const int64_t want = 2 * threads;
   std::vector<Item> items;
   struct Split { Item tile; int64_t first_slot; int n; };
@@ -1102,6 +1120,7 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, 
     int n_split = 1;
     if (base_items < want && parts > 1)
       n_split = static_cast<int>(std::min<int64_t>(parts, (want + base_items - 1) / base_items));
+    const bool whole = whole_tile(t);
     for (int64_t h = 0; h < num_kv_heads; h += whole ? num_kv_heads : 1) {
       Item it{t.b, static_cast<int32_t>(h), static_cast<int32_t>(whole ? num_kv_heads : 1), t.q0, t.q1, 0, -1, -1};
       if (n_split == 1) {
