@@ -7,9 +7,10 @@ Two parts, in one run:
   3 KV heads, head dim 64, block size 16), block tables shuffled over the cache (as serving leaves
   them). Each repeat visits enough separate layer caches (at least 64 MiB in all, more than the
   L3) that every call finds its K/V in DRAM, as it does inside a decode step. Reported: ms per
-  layer (CPU time, median), and the K/V bytes the kernel reads per second; for bf16 also the
-  kernel with ``PDSERVE_ATTN_DECODE=fp32`` (its earlier fp32 P V loop, kept as a fallback),
-  interleaved with the default in the same run.
+  layer (CPU time, median), and the K/V bytes the kernel reads per second; interleaved with the
+  default in the same run, the kernel with ``PDSERVE_ATTN_WHOLE_MIN_ROWS=0`` (its earlier work
+  items: one over all KV heads once a batch has two tiles per thread) and, for bf16, with
+  ``PDSERVE_ATTN_DECODE=fp32`` (its earlier fp32 P V loop, kept as a fallback).
 - **prefill**: one layer's attention of one prefill chunk of each ``--prefill-lens`` length, from
   position 0 and continued after as many cached tokens (causal; the same shapes, scattered
   tables). Reported: ms per layer and GFLOP/s of the causal work (4 x head_dim FLOPs per query
@@ -119,6 +120,8 @@ def _op(dtype, batch: int, context: int, repeats: int, qlen: int = 1) -> dict:
     fns = {"torch": over_layers(ref, full), "cpu": over_layers(cpu, lean)}
     if dtype == torch.bfloat16:   # the fp32 P V fallback, for the A/B
         fns["cpu_fp32_pv"] = _with_env("PDSERVE_ATTN_DECODE", "fp32", over_layers(cpu, lean))
+    # the earlier work items (one item over all KV heads once there are enough tiles), for the A/B
+    fns["cpu_all_heads"] = _with_env("PDSERVE_ATTN_WHOLE_MIN_ROWS", "0", over_layers(cpu, lean))
     times = _interleaved(fns, repeats)
     per_layer = {name: {k: 1000 * v / layers for k, v in t.items()} for name, t in times.items()}
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
@@ -128,6 +131,7 @@ def _op(dtype, batch: int, context: int, repeats: int, qlen: int = 1) -> dict:
         out[f"{name}_ms_per_layer"] = per_layer[name]["cpu"]
         out[f"{name}_ms_per_layer_wall"] = per_layer[name]["wall"]
     out["cpu_kv_read_gb_s"] = kv_bytes / (per_layer["cpu"]["cpu"] / 1000) / 1e9
+    out["speedup_vs_all_heads"] = per_layer["cpu_all_heads"]["cpu"] / per_layer["cpu"]["cpu"]
     if "cpu_fp32_pv" in fns:
         out["cpu_fp32_pv_kv_read_gb_s"] = kv_bytes / (per_layer["cpu_fp32_pv"]["cpu"] / 1000) / 1e9
         out["speedup_vs_fp32_pv"] = per_layer["cpu_fp32_pv"]["cpu"] / per_layer["cpu"]["cpu"]
@@ -273,11 +277,14 @@ def _print_table(result: dict) -> None:
           f"{' '.join(f'{x:.2f}' for x in result['load_after'])}")
     print("\nattention, one layer of decode / verification (q = queries per sequence; ms, CPU time; K/V cold in DRAM;"
           " fp32-PV: the kernel with PDSERVE_ATTN_DECODE=fp32, same run)")
+    print("all-heads: the kernel with PDSERVE_ATTN_WHOLE_MIN_ROWS=0 (one work item over all KV heads at b >= 2 x threads,"
+          " as before 2026-12-02), same run")
     print(f"{'dtype':9} {'batch':>5} {'ctx':>5} {'q':>2} {'torch ms':>9} {'cpu ms':>8} {'speedup':>8} {'cpu KV GB/s':>11} "
-          f"{'fp32-PV ms':>10} {'fp32-PV GB/s':>12} {'vs fp32-PV':>10}")
+          f"{'all-heads ms':>12} {'vs all-heads':>12} {'fp32-PV ms':>10} {'fp32-PV GB/s':>12} {'vs fp32-PV':>10}")
     for r in result["op"]:
         line = (f"{r['dtype']:9} {r['batch']:5d} {r['context']:5d} {r.get('query_len', 1):2d} {r['torch_ms_per_layer']:9.3f} "
-                f"{r['cpu_ms_per_layer']:8.3f} {r['speedup']:7.2f}x {r['cpu_kv_read_gb_s']:11.1f}")
+                f"{r['cpu_ms_per_layer']:8.3f} {r['speedup']:7.2f}x {r['cpu_kv_read_gb_s']:11.1f}"
+                f" {r['cpu_all_heads_ms_per_layer']:12.3f} {r['speedup_vs_all_heads']:11.2f}x")
         if "cpu_fp32_pv_ms_per_layer" in r:
             line += (f" {r['cpu_fp32_pv_ms_per_layer']:10.3f} {r['cpu_fp32_pv_kv_read_gb_s']:12.1f}"
                      f" {r['speedup_vs_fp32_pv']:9.2f}x")
