@@ -7,6 +7,12 @@ averages are printed beside them):
   shapes at 1, 16 and 512 rows (int8 with the activation group the model uses for that projection,
   engine/quantization/apply.py INT8_ACT_GROUPS), best of a few rounds, with the weight bytes read per call and the
   GB/s that makes;
+- linears of a step: every linear of the loaded model (30 layers' qkv, o, gate/up, down and the
+  LM head) called on B rows, each with the kernel the model chose at load, per method; each
+  weight is read once per pass (the model's 135-270 MB through a 32 MB L3), so every call finds
+  its weight out of cache as a decode step does. Per call the least time over --steps passes (methods round-robin), summed per projection
+  and in all, with the GB/s of weight that makes: the GEMM share of the decode step, in hardware
+  terms, without attention and the small ops;
 - decode step: one ModelRunner forward of B decode tokens (B = ``--batch-sizes``, default 1, 16,
   32; ``--context`` tokens of
   context each) per --quantization method at --dtype, best of --steps, and its speed-up over
@@ -53,7 +59,10 @@ def command(
     if not skip_linear:
         result["linear"] = linear_rows(names, dt)
         _print_linear(result["linear"])
-    result["decode"] = decode_rows(model, names, dt, context, steps, batches)
+    runners = build_runners(model, names, dt, context, batches)
+    result["linears"] = linears_rows(runners, steps, batches)
+    _print_linears(result["linears"], result)
+    result["decode"] = decode_rows(runners, context, steps, batches)
     result["load_after"] = _load()
     _print_decode(result["decode"], result)
     json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -97,16 +106,68 @@ def _batch_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
-def decode_rows(model: str, methods: list[str], dtype, context: int, steps: int,
-                batches: tuple[int, ...] = (1, 16, 32)) -> list[dict]:
-    import torch
-
-    from engine.batch import SeqChunk
+def build_runners(model: str, methods: list[str], dtype, context: int, batches: tuple[int, ...]) -> dict:
+    """One ModelRunner per --quantization method, with cache blocks for max(batches) sequences."""
     from engine.model_runner import ModelRunner
 
     blocks_per_seq = -(-(context + 1) // 16)
-    runners = {m: ModelRunner(model, num_blocks=max(batches) * blocks_per_seq, dtype=dtype, quantization=m)
-               for m in methods}
+    return {m: ModelRunner(model, num_blocks=max(batches) * blocks_per_seq, dtype=dtype, quantization=m)
+            for m in methods}
+
+
+def model_linears(runner) -> list[tuple[str, object]]:
+    """(projection, module) for every linear of the runner's model: the decoder's (module order),
+    then the LM head's method."""
+    from kernels.linear import MeasuredLinear
+
+    out = [(name.rsplit(".", 1)[-1], mod) for name, mod in runner.model.named_modules()
+           if isinstance(mod, MeasuredLinear) and name.startswith("model.layers.")]
+    head = getattr(runner.model, "head_method", None)
+    return out + ([("lm_head", head)] if head is not None else [])
+
+
+def linears_rows(runners: dict, steps: int, batches: tuple[int, ...]) -> list[dict]:
+    """Per method and batch: the least time of each linear call over ``steps`` passes through
+    all of them (methods round-robin; one warm-up pass each), summed per projection and in all."""
+    import time as _time
+
+    import torch
+
+    seqs = {m: model_linears(r) for m, r in runners.items()}
+    out = []
+    for batch in batches:
+        xs = {m: {mod.in_features: torch.randn(batch, mod.in_features).to(mod.dtype) for _, mod in seq}
+              for m, seq in seqs.items()}
+        best = {m: [float("inf")] * len(seq) for m, seq in seqs.items()}
+        with torch.inference_mode():
+            for step in range(steps + 1):
+                for m, seq in seqs.items():
+                    for i, (_, mod) in enumerate(seq):
+                        x = xs[m][mod.in_features]
+                        t0 = _time.perf_counter()
+                        mod(x)
+                        if step:
+                            best[m][i] = min(best[m][i], _time.perf_counter() - t0)
+        for m, seq in seqs.items():
+            per: dict[str, float] = {}
+            for (proj, _), t in zip(seq, best[m]):
+                per[proj] = per.get(proj, 0.0) + t
+            total, wbytes = sum(best[m]), sum(mod.weight_bytes() for _, mod in seq)
+            out.append({"batch": batch, "method": m, "ms": round(total * 1e3, 3),
+                        "weight_MB": round(wbytes / 1e6, 1), "weight_GBps": round(wbytes / total / 1e9, 1),
+                        "per_projection_ms": {k: round(v * 1e3, 3) for k, v in per.items()}})
+    ms = {(r["batch"], r["method"]): r["ms"] for r in out}
+    for r in out:
+        base = ms.get((r["batch"], "none"))
+        r["speedup_vs_none"] = round(base / r["ms"], 2) if base else None
+    return out
+
+
+def decode_rows(runners: dict, context: int, steps: int, batches: tuple[int, ...] = (1, 16, 32)) -> list[dict]:
+    from engine.batch import SeqChunk
+
+    methods = list(runners)
+    blocks_per_seq = -(-(context + 1) // 16)
     out = []
     for batch in batches:
         chunks = [SeqChunk([100 + b], context, list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)), 1)
@@ -145,6 +206,17 @@ def _print_linear(rows: list[dict]) -> None:
         print(f"{r['out']:>5} x {r['in']:<4} {r['rows']:>5} {r['method']:<6} {r['kernel']:<16} {r['act_group'] or '':>5} {r['us']:>9.1f} "
               f"{r['weight_GBps']:>11.1f}{mark}")
     print("(* = the kernel the method chose at load for that row count)")
+
+
+def _print_linears(rows: list[dict], result: dict) -> None:
+    print(f"linears of a decode step (every weight once, cold), {result['dtype']}, {result['threads']} threads "
+          f"(load {_load()})")
+    projs = list(rows[0]["per_projection_ms"]) if rows else []
+    print(f"{'batch':>5} {'method':<6} {'ms':>7} {'weight MB':>9} {'GB/s':>6} {'vs none':>8}  " +
+          " ".join(f"{p:>9}" for p in projs))
+    for r in rows:
+        print(f"{r['batch']:>5} {r['method']:<6} {r['ms']:>7.2f} {r['weight_MB']:>9.1f} {r['weight_GBps']:>6.1f} "
+              f"{r['speedup_vs_none'] or '':>8}  " + " ".join(f"{r['per_projection_ms'].get(p, 0):>9.2f}" for p in projs))
 
 
 def _print_decode(rows: list[dict], result: dict) -> None:
