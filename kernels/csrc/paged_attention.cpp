@@ -11,7 +11,9 @@
 // K/V cold (shuffled tables) that measured 1.24-1.37x faster than one item over all heads (one
 // thread, bf16: b16 ctx ~150 176 -> 137 us a layer, b32 359 -> 290, b16 ctx ~400 430 -> 315, b4
 // 46 -> 39, b1 unchanged; 2026-12-02, load 5, A/B in one process through the env knob
-// PDSERVE_ATTN_WHOLE_MIN_ROWS=0, which restores the earlier choice). Items go to torch's
+// PDSERVE_ATTN_WHOLE_MIN_ROWS=0, which restores the earlier choice; two threads, load 2, best of
+// 15: b16 ctx ~150 96 -> 82 us, b32 198 -> 165, b16 ctx ~400 258 -> 190, b4 31 -> 28, b1 equal;
+// the decode step at b16 11.55 -> 11.19 ms, b32 19.33 -> 18.91). Items go to torch's
 // intra-op threads (at::parallel_for, OpenMP) through an atomic counter, so tiles of different
 // cost balance.
 //
@@ -36,8 +38,13 @@
 // partition's K/V blocks first in one burst of plain loads (every line, nothing between them),
 // then computing on them from L2: 1.1-1.18x on items over all KV heads (b16 ctx ~150 175 -> 155
 // us a layer) but 1.5-1.7x slower on one-head items (strided rows: b1 ctx 1024 50 -> 96 us), and
-// one-head items without it are faster still (137 us). Removing every software prefetch: no
-// slower on all-heads items, but a variant whose prefetch loops did not unroll was 1.4x slower.
+// one-head items without it are faster still (137 us). With one-head items: dropping the near
+// prefetches (next K block into L1, its V into L2) 1.4-1.6x slower cold; one prefetch per 128 B
+// (leaving the pair's other line to the hardware) 1.7-2x slower; the far prefetch with the T0 or
+// T2 hint, or PDSERVE_ATTN_L2_AHEAD 2, 3, 6: within noise of T1 and 4. With K/V in L2 the same
+// kernel takes ~0.6x the time (b16 ctx ~150, one thread: ~88 of ~140 us); of those 88, skipping
+// each part (timed, results discarded) saved P V ~17, scores ~12, softmax ~17: the remaining ~50
+// are the prefetch instructions, the P packing and the per-block bookkeeping.
 // PDSERVE_ATTN_DECODE=fp32 (read at each call) restores the fp32 P V and the one-block prefetch:
 // the earlier kernel, kept for A/B measurements (bench/attention.py) and as a fallback.
 // This is the two-pass softmax within a partition and FlashAttention's online rescaling between
