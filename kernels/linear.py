@@ -435,25 +435,29 @@ class Int8Linear(MeasuredLinear):
     batch-1 call still reads its weight at only 18-46 GB/s (o_proj 331 KB in 18 us). Weight tiles
     on huge pages: no gain either (branch old/int8-hugepages-s13).
 
-    Also measured and not kept (2026-12-02, the model's 121 linears in decode order on random
-    weights, each read once a step, 2 threads, min per call over 10 interleaved steps, host load
-    3.5-7; the kernel: 16 rows 4.6-5.2 ms a step, 1 row 3.0-3.1 = 43-44 GB/s; bf16 small_gemm 7.2-7.5
-    and 5.1-5.3 ms): L1 prefetch 16 or 32 lines ahead instead of 8 (1 row 3.33 -> 3.32 / 3.48 ms,
-    16 rows 5.39 -> 5.60 / 5.40); the next unit into L2 at 1 row too (3.33 -> 3.79); 16 rows as two
-    passes of 8 over 2-tile units (hot, one thread, 12% faster; cold 5.25 -> 5.87); 12 + 4 or 8 + 8
-    rows over each tile with the fp32 sums in registers (hot 3-5% faster, cold 5.00 -> 5.03 / 5.22);
-    rows over the threads instead of columns at 16 rows, each thread quantizing its own rows and
-    streaming every weight (4.63 -> 4.86); narrower units where 9 split 5 + 4 over 2 threads (o, down;
-    1 row 3.12 -> 3.13); the prologue's rows in a second parallel region (a 1-tile call at 16 rows
-    5 -> 22 us); OMP_WAIT_POLICY=ACTIVE (noise). A numerics change: cancelling the weight's +128
-    offset once per row in fp32 instead of exactly in each group's int32 sum was 3.5% faster at 16
-    rows but cost perplexity 18.8275 -> 18.8415 (pdserve eval ppl, bf16, 16,384 WikiText-2 tokens):
-    on rows with a large activation sum (the massive activations) the offset term dwarfs the
-    output and fp32 loses the difference. Where 16 rows go: one thread runs ~5 G vpdpbusd/s hot
-    (~2 a cycle at the 2.6 GHz /proc/cpuinfo gives; compute-bound: cold = hot); two threads reach
-    1.55-1.7x one on the decoder's shapes (2x on the LM head): the serial prologue (16 rows quantized: ~2.5 us at K = 576, ~8 us at
-    K = 1536, ~0.47 ms a step; ~6 ns per row and group: computing 16 groups' scales in one vector
-    division saved 4% of it) and ~5-10 us a call lost to fork and join on a busy host.
+    Also measured and not kept (2026-12-02, the model's 121 linears in sequence on random weights,
+    each read once a step, 2 threads, min per call over 10 interleaved steps, host load 3.5-7; the
+    kernel: 16 rows 4.6-5.2 ms a step, 1 row 3.0-3.1 = 43-44 GB/s; bf16 small_gemm 7.2-7.5 and 5.1-5.3
+    ms): L1 prefetch 16 or 32 lines ahead instead of 8 (1 row 3.33 -> 3.32 / 3.48 ms, 16 rows 5.39 ->
+    5.60 / 5.40); the next unit into L2 at 1 row too (3.33 -> 3.79); 16 rows as two passes of 8 over
+    2-tile units (hot, one thread, 12% faster; cold 5.25 -> 5.87); 12 + 4 or 8 + 8 rows over each tile
+    with the fp32 sums in registers (hot 3-5% faster, cold 5.00 -> 5.03 / 5.22); rows over the threads
+    instead of columns at 16 rows, each thread quantizing its own rows and streaming every weight (4.63
+    -> 4.86); narrower units where 9 split 5 + 4 over 2 threads (o, down; 1 row 3.12 -> 3.13); the
+    prologue's rows in a second parallel region (a 1-tile call at 16 rows 5 -> 22 us) or inside the one
+    region, each thread quantizing a share of the rows and waiting at a spin barrier for the rest (16
+    rows 5.17 -> 8.37 ms); the two threads taking units from the two ends of the range until they meet,
+    one or `grain` units a claim, in case the second thread starts late (5.23 -> 6.21, 5.36 -> 5.99);
+    OMP_WAIT_POLICY=ACTIVE (noise). A numerics change: cancelling the weight's +128 offset once per row
+    in fp32 instead of exactly in each group's int32 sum was 3.5% faster at 16 rows but cost perplexity
+    18.8275 -> 18.8415 (pdserve eval ppl, bf16, 16,384 WikiText-2 tokens): on rows with a large
+    activation sum (the massive activations) the offset term dwarfs the output and fp32 loses the
+    difference. Where 16 rows go: one thread runs ~5 G vpdpbusd/s hot (~2 a cycle at the 2.6 GHz
+    /proc/cpuinfo gives; compute-bound: cold = hot); two threads reach 1.55-1.7x one on the decoder's
+    shapes (2x on the LM head): the serial prologue (16 rows quantized: ~2.5 us at K = 576, ~8 us at K =
+    1536, ~0.47 ms a step; ~6 ns per row and group: computing 16 groups' scales in one vector division
+    saved 4% of it) and ~5-10 us a call more, not from a late second thread (taking units from both ends
+    did not recover it).
     """
 
     method = "int8"
