@@ -13,7 +13,8 @@
 // 46 -> 39, b1 unchanged; 2026-12-02, load 5, A/B in one process through the env knob
 // PDSERVE_ATTN_WHOLE_MIN_ROWS=0, which restores the earlier choice; two threads, load 2, best of
 // 15: b16 ctx ~150 96 -> 82 us, b32 198 -> 165, b16 ctx ~400 258 -> 190, b4 31 -> 28, b1 equal;
-// the decode step at b16 11.55 -> 11.19 ms, b32 19.33 -> 18.91). Items go to torch's
+// the decode step at b16 11.55 -> 11.19 ms, b32 19.33 -> 18.91; an FP8 cache, one thread, is
+// bound by its conversions and gained 0-5%). Items go to torch's
 // intra-op threads (at::parallel_for, OpenMP) through an atomic counter, so tiles of different
 // cost balance.
 //
@@ -44,7 +45,9 @@
 // T2 hint, or PDSERVE_ATTN_L2_AHEAD 2, 3, 6: within noise of T1 and 4. With K/V in L2 the same
 // kernel takes ~0.6x the time (b16 ctx ~150, one thread: ~88 of ~140 us); of those 88, skipping
 // each part (timed, results discarded) saved P V ~17, scores ~12, softmax ~17: the remaining ~50
-// are the prefetch instructions, the P packing and the per-block bookkeeping.
+// are the prefetch instructions, the P packing and the per-block bookkeeping. Split-K in runs of
+// whole blocks (so a b1 context under two partitions also splits, 3 KV heads on 2 threads):
+// b1 ctx ~150 12.3 -> 12.8 us, ~700 26 -> 24, 64, 300 and 1024 equal (two threads): not kept.
 // PDSERVE_ATTN_DECODE=fp32 (read at each call) restores the fp32 P V and the one-block prefetch:
 // the earlier kernel, kept for A/B measurements (bench/attention.py) and as a fallback.
 // This is the two-pass softmax within a partition and FlashAttention's online rescaling between
