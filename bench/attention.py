@@ -17,7 +17,8 @@ Two parts, in one run:
   head and visible (query, key) pair; the CPU's bf16 GEMM peak is ~470 GFLOP/s a core).
 - **step**: a whole decode step of the bundled model (batch 16, ~250-token contexts by default)
   per dtype and backend: ms per step, the part of it spent in attention, and the metadata build
-  (``AttentionMetadata.build``) per step; ``--profile`` adds torch.profiler's top operators.
+  (``AttentionMetadata.build``) per step; also the cpu backend with ``PDSERVE_ATTN_WHOLE_MIN_ROWS=0``
+  (all-heads step), interleaved; ``--profile`` adds torch.profiler's top operators.
 
 Times are CPU time (process time, all threads), which other processes on a shared machine do
 not inflate; wall times are in the JSON too, beside ``uptime``'s load. Prints a table and writes
@@ -204,11 +205,17 @@ def _step(model: str, dtype, batch: int, context: int, repeats: int, profile: bo
             runner.forward(chunks)
         return run
 
-    times = _interleaved({name: step(name) for name in backends}, repeats)
+    fns = {name: step(name) for name in backends}
+    # the cpu kernel with its earlier work items (one over all KV heads), interleaved: the A/B of 893f332
+    fns["cpu_all_heads"] = _with_env("PDSERVE_ATTN_WHOLE_MIN_ROWS", "0", step("cpu"))
+    times = _interleaved(fns, repeats)
     out = {"dtype": str(dtype).removeprefix("torch."), "kv_cache_dtype": kv_cache_dtype, "batch": batch,
            "context": context}
+    out["cpu_all_heads_ms_per_step"] = 1000 * times["cpu_all_heads"]["cpu"]
+    out["cpu_all_heads_ms_per_step_wall"] = 1000 * times["cpu_all_heads"]["wall"]
     for name in backends:
-        calls = repeats + 1   # warm-up included in the attention total
+        # warm-up included in the attention total; the cpu backend's also covers cpu_all_heads' steps
+        calls = (repeats + 1) * (2 if name == "cpu" else 1)
         out[f"{name}_ms_per_step"] = 1000 * times[name]["cpu"]
         out[f"{name}_ms_per_step_wall"] = 1000 * times[name]["wall"]
         # None: the backend's attention ran inside the fused C++ decoder loop (kernels/decoder_loop.py),
@@ -307,12 +314,12 @@ def _print_table(result: dict) -> None:
         print("\ndecode step (ms, CPU time): whole step / attention in it / metadata build"
               " ('-': attention inside the fused C++ decoder loop, not timed from Python; see --profile)")
         print(f"{'dtype':9} {'kv':>8} {'batch':>5} {'ctx':>5} {'torch step':>10} {'attn':>6} {'meta':>6} "
-              f"{'cpu step':>9} {'attn':>6} {'meta':>6} {'speedup':>8}")
+              f"{'cpu step':>9} {'attn':>6} {'meta':>6} {'speedup':>8} {'all-heads step':>14}")
         for r in result["step"]:
             print(f"{r['dtype']:9} {r.get('kv_cache_dtype', 'auto'):>8} {r['batch']:5d} {r['context']:5d} {r['torch_ms_per_step']:10.1f} "
                   f"{_ms(r['torch_attention_ms_per_step'])} {r['torch_metadata_ms_per_step']:6.2f} "
                   f"{r['cpu_ms_per_step']:9.1f} {_ms(r['cpu_attention_ms_per_step'])} "
-                  f"{r['cpu_metadata_ms_per_step']:6.2f} {r['step_speedup']:7.2f}x")
+                  f"{r['cpu_metadata_ms_per_step']:6.2f} {r['step_speedup']:7.2f}x {r['cpu_all_heads_ms_per_step']:14.1f}")
         for r in result["step"]:
             for name, rows in r.get("profile", {}).items():
                 print(f"\nprofile, {r['dtype']} {name}: top ops by self time (profiler wall ms per step, share)")
