@@ -95,21 +95,25 @@ class MeasuredLinear(nn.Module):
     method = ""
 
     def _choose(self, kernels: dict[str, Kernel], dtype: torch.dtype, device: torch.device,
-                preferred: tuple[str, str, str] | None = None, decode_only: bool = False) -> None:
+                preferred: tuple[str, str, str] | None = None, decode_only: bool = False,
+                prefill_only: tuple[str, ...] = ()) -> None:
         """Time ``kernels`` per bucket; ``preferred``: the kernel per bucket that wins on a quiet
         machine of this kind, kept unless another measures clearly (1.25x) faster. decode_only:
         the linear sees prefill-sized row counts rarely if ever (the LM head: one row per
-        sequence), so the last bucket takes the middle bucket's kernel, untimed.
+        sequence), so the last bucket takes the middle bucket's kernel, untimed. prefill_only:
+        kernels timed (and chosen) at the last bucket only (built for many rows; the fused decoder
+        loop, kernels/decoder_loop.py, does not call them, so a decode bucket must never pick one).
 
         Only the chosen kernels are kept (with the weight copies they read); ``run_kernel``
         rebuilds any other from ``_candidates()`` when asked (tests, bench quant)."""
         # the activation group (int8) changes a kernel's work, as the shape does
         key = (self.method, self.out_features, self.in_features, getattr(self, "group", None), dtype, device.type,
-               torch.get_num_threads(), tuple(kernels), decode_only)
+               torch.get_num_threads(), tuple(kernels), decode_only, prefill_only)
         if key not in _choice_cache:
             evict = _cache_evictor(device)
-            names = [_fastest(kernels, self.in_features, dtype, device, m, None if preferred is None else preferred[i],
-                              evict=evict if m <= COLD_MAX_ROWS else None)
+            decode_kernels = {name: k for name, k in kernels.items() if name not in prefill_only}
+            names = [_fastest(kernels if i == len(BUCKETS) - 1 else decode_kernels, self.in_features, dtype, device, m,
+                              None if preferred is None else preferred[i], evict=evict if m <= COLD_MAX_ROWS else None)
                      for i, m in enumerate(BUCKETS[:-1] if decode_only else BUCKETS)]
             _choice_cache[key] = tuple(names + names[-1:] if decode_only else names)
         self.kernel_names: tuple[str, str, str] = _choice_cache[key]
@@ -422,7 +426,9 @@ class Int8Linear(MeasuredLinear):
 
     Kernels: ``w8a8_vnni`` (kernels/csrc/int8_gemm.cpp, bf16 on CPUs with AVX512-BF16 and
     AVX512-VNNI: the activations quantized in the call, the int8 weight streamed once through
-    vpdpbusd, int32 sums per group, fp32 across groups) and ``dequant_dense`` (the reference and
+    vpdpbusd, int32 sums per group, fp32 across groups), ``w8a8_vnni_large`` (prefill bucket only:
+    kernels/csrc/int8_gemm_prefill.cpp, the same tiles and the same result bit for bit, blocked
+    4 rows x 48 columns in registers for many rows) and ``dequant_dense`` (the reference and
     the path elsewhere: the activations quantized and dequantized, the weight widened to the model
     dtype, the dense GEMM, the weight scales). They compute the same quantized products; the
     dense one rounds the dequantized activations to the model dtype. The weight is held once: in
@@ -485,8 +491,11 @@ class Int8Linear(MeasuredLinear):
             self.register_buffer("qweight", q, persistent=False)
             self.register_buffer("weight_scale", scale, persistent=False)
         self.bias = None if bias is None else bias.detach()
-        # Quiet-machine winner (Zen 5): the C++ kernel at every size (prefill: as fast as bf16's GEMM).
-        self._choose(self._candidates(), self.dtype, q.device, ("w8a8_vnni",) * 3 if self.tiled else None, decode_only)
+        # Quiet-machine winners (Zen 5): the decode kernel at 1 and 16 rows, the prefill kernel at 512
+        # (1.2-1.5x the decode kernel there, 2 threads).
+        self._choose(self._candidates(), self.dtype, q.device,
+                     ("w8a8_vnni", "w8a8_vnni", "w8a8_vnni_large") if self.tiled else None, decode_only,
+                     prefill_only=("w8a8_vnni_large",))
 
     def _int8_nk(self) -> torch.Tensor:
         """The int8 weight [N, K] (unpacked from the tiles when they hold it: a copy)."""
@@ -508,7 +517,12 @@ class Int8Linear(MeasuredLinear):
         def w8a8_vnni(x: torch.Tensor) -> torch.Tensor:
             return op(x, q, scale, n, group)
 
-        return {"w8a8_vnni": w8a8_vnni, "dequant_dense": dequant_dense}
+        large = torch.ops.pdserve_int8p.w8a8_gemm_large
+
+        def w8a8_vnni_large(x: torch.Tensor) -> torch.Tensor:
+            return large(x, q, scale, n, group)
+
+        return {"w8a8_vnni": w8a8_vnni, "w8a8_vnni_large": w8a8_vnni_large, "dequant_dense": dequant_dense}
 
     def dequantized_weight(self) -> torch.Tensor:
         """[N, K] float32: the weight the int8 values and scales represent."""

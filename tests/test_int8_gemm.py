@@ -108,7 +108,7 @@ def test_packing_layout_round_trip_and_one_copy_of_the_weight(available):
     assert torch.equal(packed[1, 0, 4], torch.full((4,), 128, dtype=torch.uint8))   # a padding row: weight 0
     assert torch.equal(unpack_int8_gemm(packed, 20), q)
     lin = Int8Linear(torch.randn(48, 64).bfloat16(), None)
-    assert set(lin.kernel_choices) == {"w8a8_vnni", "dequant_dense"}
+    assert set(lin.kernel_choices) == {"w8a8_vnni", "w8a8_vnni_large", "dequant_dense"}
     assert [b.dtype for b in lin.buffers()] == [torch.uint8, torch.float32]   # the tiles and scales: no [N, K] copy
     x = torch.randn(20, 64).bfloat16()
     a, b = lin.run_kernel("w8a8_vnni", x).float(), lin.run_kernel("dequant_dense", x).float()

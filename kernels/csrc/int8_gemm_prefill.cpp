@@ -1,0 +1,205 @@
+// INT8 linear layers at prefill sizes (kernels/linear.py's Int8Linear, kernel "w8a8_vnni_large"):
+// the same product, packed weight and numerics as kernels/csrc/int8_gemm.cpp's w8a8_gemm (read its
+// header: q + 128 uint8 tiles [N/16][K/4][16][4], per-output-channel fp32 scales, activations
+// quantized in the call per token and group of G channels, the -128 sum(xq) start of each group's
+// int32 sum, fp32 across groups in order, one rounding to bf16), register-blocked for many rows:
+//
+//   out[m, n] = wscale[n] * sum_g sx[m, g] * sum_{k in g} xq[m, k] q[n, k]
+//
+// Why a second kernel: w8a8_gemm is built for decode (1-32 rows). At 16 rows a pass, one weight
+// line feeds 16 vpdpbusd whose broadcasts each read memory (17 loads per 16 vpdpbusd: the load
+// ports, not vpdpbusd, bound it), and its fp32 sums across groups live in an L1 block (a load and a
+// store per row, tile and group); at 512+ rows that made it only as fast as bf16's GEMM. Here a
+// micro-kernel takes 4 rows x 3 tiles (48 output columns): 12 int32 sums for the group under way,
+// 12 fp32 sums across groups, all in registers (27 of 32 zmm with the 3 weight lines), 3 weight
+// loads and 4 broadcasts per 12 vpdpbusd.
+//
+// Blocking: a panel is 3 tiles x all K (27 KB at K = 576, 72 KB at K = 1536: L1 or L2) and every
+// 4-row block of the call runs over it, so each weight byte is read from DRAM once per call; the
+// threads take disjoint ranges of panels (at::parallel_for). The activations are quantized once
+// per call, in parallel over the rows, into a 4-row quad layout [M/4][K/4][4] int32 (a block's
+// broadcasts are one pointer plus an immediate offset); rows past M in the last block are zero and
+// never stored. Measured and not kept (2 threads, M = 512 and 2048, load 3.6): the rows in chunks of
+// 64 or 256 (each thread's panels over one chunk of rows at a time, so the chunk's activations and
+// outputs stay in L2): within noise (1-3%) on the model's four shapes.
+//
+// Numerics: the same operations in the same order as w8a8_gemm (the quantization: amax, scale =
+// amax / 127, x * (1 / scale) rounded half to even; the int32 group sums are exact; each group's
+// sum converted to fp32 and fma'd with sx into the row's fp32 sum, groups in order; times wscale;
+// one round to bf16), so the output equals w8a8_gemm's bit for bit (tests/test_int8_gemm_prefill.py).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#define PDSERVE_INT8P_GEMM 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#if PDSERVE_INT8P_GEMM
+constexpr int64_t kChunk = 32;   // the activation group is a multiple of these input channels
+constexpr int kRows = 4;         // rows per micro-kernel call
+constexpr int kTiles = 3;        // tiles of 16 output columns per panel
+
+// The quantized activations of a call, in blocks of kRows rows.
+struct Blocks {
+  int32_t* xq;     // [M/4][K/4][4]: the 4 bytes xq[4 b + r, 4 kq .. 4 kq + 3] at xq[(b K/4 + kq) 4 + r]
+  float* sx;       // [M/4][K/group][4]: sx[4 b + r, g] at sx[(b groups + g) 4 + r]
+  int32_t* corr;   // [M/4][K/group][4]: -128 sum_{k in g} xq[4 b + r, k], same indexing
+  int64_t k4, groups;
+};
+
+// Row x [K] bf16 -> row r of block b (w8a8_gemm's quantize_row, stored in this kernel's layout).
+void quantize_row(const at::BFloat16* x, int64_t k, int64_t group, int64_t b, int r, const Blocks& q) {
+  const uint16_t* row = reinterpret_cast<const uint16_t*>(x);
+  const int64_t chunks = group / kChunk;
+  alignas(64) int8_t tmp[kChunk];
+  auto load = [&](int64_t c, int half) {   // 16 values of chunk c (channels 32 c + 16 half ..) as fp32
+    const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * kChunk + 16 * half)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+  };
+  int32_t* xq = q.xq + b * q.k4 * kRows;
+  for (int64_t g = 0; g < q.groups; ++g) {
+    __m512 vmax = _mm512_setzero_ps();
+    for (int64_t c = g * chunks; c < (g + 1) * chunks; ++c)
+      vmax = _mm512_max_ps(vmax, _mm512_max_ps(_mm512_abs_ps(load(c, 0)), _mm512_abs_ps(load(c, 1))));
+    const float amax = _mm512_reduce_max_ps(vmax);
+    const float scale = amax > 0.f ? amax / 127.f : 1.f;
+    const int64_t at = (b * q.groups + g) * kRows + r;
+    q.sx[at] = scale;
+    const __m512 inv = _mm512_set1_ps(1.f / scale);
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t c = g * chunks; c < (g + 1) * chunks; ++c) {
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(load(c, 0), inv));
+      const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(load(c, 1), inv));
+      sum = _mm512_add_epi32(sum, _mm512_add_epi32(qlo, qhi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp), _mm512_cvtsepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp + 16), _mm512_cvtsepi32_epi8(qhi));
+      const int32_t* t32 = reinterpret_cast<const int32_t*>(tmp);
+      for (int64_t i = 0; i < kChunk / 4; ++i) xq[(c * kChunk / 4 + i) * kRows + r] = t32[i];
+    }
+    q.corr[at] = -128 * _mm512_reduce_add_epi32(sum);
+  }
+}
+
+// Rows [4 b, 4 b + rows) x tiles [0, NT) of the panel at w (tile t at w + t tile_stride, output
+// columns n0 + 16 t ..): out[m, col] for col < n.
+template <int NT>
+void micro_kernel(const Blocks& q, int64_t b, int rows, int64_t quads, const uint8_t* w, int64_t tile_stride,
+                  const float* wscale, at::BFloat16* out, int64_t ldo, int64_t n0, int64_t n) {
+  __m512 facc[kRows][NT];
+  for (int m = 0; m < kRows; ++m)
+    for (int t = 0; t < NT; ++t) facc[m][t] = _mm512_setzero_ps();
+  const int32_t* xq = q.xq + b * q.k4 * kRows;
+  const float* sx = q.sx + b * q.groups * kRows;
+  const int32_t* corr = q.corr + b * q.groups * kRows;
+  for (int64_t g = 0; g < q.groups; ++g) {
+    __m512i iacc[kRows][NT];
+    for (int m = 0; m < kRows; ++m) {
+      const __m512i start = _mm512_set1_epi32(corr[g * kRows + m]);
+      for (int t = 0; t < NT; ++t) iacc[m][t] = start;
+    }
+    const int32_t* xk = xq + g * quads * kRows;
+    const uint8_t* wk = w + g * quads * 64;
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < quads; ++i) {
+      __m512i wv[NT];
+      for (int t = 0; t < NT; ++t) wv[t] = _mm512_loadu_si512(wk + t * tile_stride + i * 64);
+      for (int m = 0; m < kRows; ++m) {
+        const __m512i a = _mm512_set1_epi32(xk[i * kRows + m]);
+        for (int t = 0; t < NT; ++t) iacc[m][t] = _mm512_dpbusd_epi32(iacc[m][t], wv[t], a);
+      }
+    }
+    for (int m = 0; m < kRows; ++m) {
+      const __m512 s = _mm512_set1_ps(sx[g * kRows + m]);
+      for (int t = 0; t < NT; ++t) facc[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[m][t]), s, facc[m][t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    const int64_t col = n0 + 16 * t;
+    if (col >= n) break;
+    const __m512 s = _mm512_loadu_ps(wscale + col);
+    const __mmask16 mask = n - col >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - col)) - 1);
+    for (int m = 0; m < rows; ++m)
+      _mm256_mask_storeu_epi16(out + (b * kRows + m) * ldo + col, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(facc[m][t], s)));
+  }
+}
+#endif
+
+// out [M, N] bf16 = x [M, K] bf16 (rows contiguous, or copied so) times the packed weight, as
+// pdserve_int8::w8a8_gemm (same arguments, same checks, same result).
+at::Tensor w8a8_gemm_large(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& wscale, int64_t n,
+                           int64_t group) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be bf16 [M, K]");
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 4 && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kByte, "packed must be a contiguous uint8 [N/16, K/4, 16, 4]");
+  const int64_t m = x.size(0), k = x.size(1), tiles = packed.size(0);
+  TORCH_CHECK(k == 4 * packed.size(1), "x has ", k, " columns, the packed weight ", 4 * packed.size(1));
+  TORCH_CHECK(group > 0 && group % 32 == 0 && k % group == 0, "group must be a multiple of 32 dividing K = ", k,
+              ", got ", group);
+  TORCH_CHECK(n > 16 * (tiles - 1) && n <= 16 * tiles, "n does not match the packed weight's tiles");
+  TORCH_CHECK(wscale.dim() == 1 && wscale.size(0) == 16 * tiles && wscale.is_contiguous() &&
+                  wscale.scalar_type() == at::kFloat, "wscale must be a contiguous fp32 [16 * tiles]");
+  at::Tensor out = at::empty({m, n}, x.options());
+#if PDSERVE_INT8P_GEMM
+  if (m == 0) return out;
+  const int64_t groups = k / group, quads = group / 4, k4 = k / 4;
+  const int64_t blocks = (m + kRows - 1) / kRows;
+  // zero-filled: the padding rows of the last block compute on zeros (their outputs are not stored)
+  std::vector<int32_t> xq(blocks * k4 * kRows, 0);
+  std::vector<float> sx(blocks * groups * kRows, 1.f);
+  std::vector<int32_t> corr(blocks * groups * kRows, 0);
+  const Blocks q{xq.data(), sx.data(), corr.data(), k4, groups};
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const int64_t ldx = x.stride(0);
+  at::parallel_for(0, m, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) quantize_row(xp + r * ldx, k, group, r / kRows, static_cast<int>(r % kRows), q);
+  });
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = wscale.data_ptr<float>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t ldo = out.stride(0), tile_stride = k * 16;
+  const int64_t panels = (tiles + kTiles - 1) / kTiles;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t t0 = p * kTiles;
+      const int64_t count = std::min<int64_t>(kTiles, tiles - t0);
+      const uint8_t* w = wp + t0 * tile_stride;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, m - b * kRows));
+        if (count == 3) micro_kernel<3>(q, b, rows, quads, w, tile_stride, sp, op, ldo, 16 * t0, n);
+        else if (count == 2) micro_kernel<2>(q, b, rows, quads, w, tile_stride, sp, op, ldo, 16 * t0, n);
+        else micro_kernel<1>(q, b, rows, quads, w, tile_stride, sp, op, ldo, 16 * t0, n);
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "w8a8_gemm_large needs a build for a CPU with AVX512-BF16 and AVX512-VNNI");
+#endif
+  return out;
+}
+
+bool available() {
+#if PDSERVE_INT8P_GEMM
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve_int8p, m) {
+  m.def("w8a8_gemm_large(Tensor x, Tensor packed, Tensor wscale, int n, int group=32) -> Tensor");
+  m.def("available() -> bool", &available);
+}
+
+TORCH_LIBRARY_IMPL(pdserve_int8p, CPU, m) { m.impl("w8a8_gemm_large", &w8a8_gemm_large); }

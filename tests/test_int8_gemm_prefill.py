@@ -1,0 +1,63 @@
+"""The prefill INT8 kernel (kernels/csrc/int8_gemm_prefill.cpp, Int8Linear's ``w8a8_vnni_large``):
+the same packed weight and the same operations in the same order as the decode kernel
+(kernels/csrc/int8_gemm.cpp's ``w8a8_gemm``), so its output equals that kernel's bit for bit, and
+both are within one bf16 ulp of the largest output (2^-7 relative) of an fp32 product of the same
+quantized operands (tests/test_int8_gemm.py's reference). Shapes: rows not a multiple of the
+kernel's 4-row blocks, N not a multiple of its 48-column panels nor of 16 (a partial tile), the
+activation groups the model uses (32, 64, the whole row), a row stride wider than K, two threads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.linear import BUCKETS, Int8Linear, quantize_int8_per_channel
+from tests.test_int8_gemm import available, reference, rel  # noqa: F401 - the fixture is used by name
+
+
+@pytest.mark.parametrize("k", [64, 576])
+@pytest.mark.parametrize("n", [48, 960, 40])
+def test_equals_the_decode_kernel_bit_for_bit(available, n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)).bfloat16()
+    q, scale = quantize_int8_per_channel(w)
+    wide = torch.randn(100, k + 8, generator=gen)
+    wide[:, 5] *= 300                                     # an outlier channel
+    wide[:, 32:64] = 0                                    # an all-zero group
+    wide = wide.bfloat16()
+    for group in sorted({32, 64, k}):
+        lin = Int8Linear(w, None, group=group)
+        for m in (17, 64, 100):
+            x = wide[:m, :k]                              # rows of stride k + 8
+            got = lin.run_kernel("w8a8_vnni_large", x)
+            assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+            assert torch.equal(got, lin.run_kernel("w8a8_vnni", x)), (m, group)
+            assert rel(got, reference(x, q, scale, group)) < 2 ** -7, (m, group)
+
+
+def test_two_threads_and_one_give_the_same_bits(available):
+    w = torch.randn(960, 576).bfloat16()
+    lin = Int8Linear(w, None, group=64)
+    x = torch.randn(130, 576).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = lin.run_kernel("w8a8_vnni_large", x)
+        torch.set_num_threads(2)
+        two = lin.run_kernel("w8a8_vnni_large", x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_timed_and_chosen_only_at_the_prefill_bucket(available):
+    """The fused decoder loop (kernels/decoder_loop.py) calls only w8a8_vnni: a decode bucket
+    choosing the prefill kernel would send every decode step through the Python loop."""
+    lin = Int8Linear(torch.randn(200, 96).bfloat16(), None)
+    assert "w8a8_vnni_large" in lin.kernel_choices and len(lin.kernel_names) == len(BUCKETS)
+    assert "w8a8_vnni_large" not in lin.kernel_names[:-1]
+    head = Int8Linear(torch.randn(200, 96).bfloat16(), None, decode_only=True)   # never timed at all
+    assert "w8a8_vnni_large" not in head.kernel_names
+    with pytest.raises(RuntimeError, match="group"):
+        torch.ops.pdserve_int8p.w8a8_gemm_large(torch.randn(4, 96).bfloat16(), lin.qweight, lin.weight_scale, 200, 48)
