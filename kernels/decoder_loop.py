@@ -30,7 +30,7 @@ from kernels.linear import BUCKETS, MeasuredLinear, bucket_index
 
 log = logging.getLogger(__name__)
 
-KINDS = {"small_gemm": 0, "w8a8_vnni": 1, "F.linear": 2, "onednn_packed": 3}
+KINDS = {"small_gemm": 0, "w8a8_vnni": 1, "F.linear": 2, "onednn_packed": 3, "w8a8_vnni_large": 4}
 """kernels/linear.py kernel name -> the C++ loop's LinearKind (csrc/decoder_loop.cpp)."""
 
 _EMPTY = torch.empty(0)   # a placeholder for an absent tensor (Tensor[] cannot hold None)
@@ -50,7 +50,7 @@ def linear_operands(linear: nn.Module, bucket: int) -> tuple[list[torch.Tensor],
         a, b = linear._packed["onednn_packed"], _EMPTY
     elif name == "F.linear":
         a, b = linear.weight, _EMPTY
-    else:   # w8a8_vnni
+    else:   # w8a8_vnni, w8a8_vnni_large (the same operands)
         a, b = linear.qweight, linear.weight_scale
     bias = linear.bias
     desc = [KINDS[name], linear.out_features, getattr(linear, "group", 0), int(bias is not None)]

@@ -101,8 +101,8 @@ class MeasuredLinear(nn.Module):
         machine of this kind, kept unless another measures clearly (1.25x) faster. decode_only:
         the linear sees prefill-sized row counts rarely if ever (the LM head: one row per
         sequence), so the last bucket takes the middle bucket's kernel, untimed. prefill_only:
-        kernels timed (and chosen) at the last bucket only (built for many rows; the fused decoder
-        loop, kernels/decoder_loop.py, does not call them, so a decode bucket must never pick one).
+        kernels timed (and chosen) at the last bucket only: built for many rows, never the right
+        choice at decode sizes, so a noisy timing on a busy host must not pick one there.
 
         Only the chosen kernels are kept (with the weight copies they read); ``run_kernel``
         rebuilds any other from ``_candidates()`` when asked (tests, bench quant)."""

@@ -10,7 +10,7 @@
 // them is gone (one Python -> C++ crossing a forward instead of ~300).
 //
 // Every kernel is called through c10's dispatcher with a typed handle looked up once (the ops of
-// layer_ops.cpp, kv_cache_write.cpp, paged_attention.cpp, small_gemm.cpp, int8_gemm.cpp and aten's
+// layer_ops.cpp, kv_cache_write.cpp, paged_attention.cpp, small_gemm.cpp, int8_gemm.cpp, int8_gemm_prefill.cpp and aten's
 // linear; oneDNN's prepacked linear boxed, as its schema has no fixed C++ signature here), so this
 // file depends on those ops' schemas only, never on their code. Which kernel each linear runs
 // (for this forward's row count) is decided in Python (kernels/decoder_loop.py) and handed over
@@ -32,7 +32,7 @@
 
 namespace {
 
-enum LinearKind : int64_t { kSmallGemm = 0, kW8A8 = 1, kDense = 2, kOneDnnPacked = 3 };
+enum LinearKind : int64_t { kSmallGemm = 0, kW8A8 = 1, kDense = 2, kOneDnnPacked = 3, kW8A8Large = 4 };
 constexpr int64_t kLinears = 4;                 // qkv, o, gate_up, down
 constexpr int64_t kTensorsPerLayer = 4 + 3 * kLinears;
 constexpr int64_t kDescPerLinear = 4;
@@ -88,6 +88,13 @@ w8a8_gemm() {
   return h;
 }
 
+const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>&
+w8a8_gemm_large() {   // int8_gemm_prefill.cpp: w8a8_gemm's schema, for prefill row counts
+  static const auto h = find("pdserve_int8p::w8a8_gemm_large")
+                            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
+  return h;
+}
+
 const c10::OperatorHandle& onednn_linear() {
   static const auto h = find("mkldnn::_linear_pointwise");
   return h;
@@ -106,6 +113,9 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor* t, const int64_t* d)
     }
     case kW8A8:
       y = w8a8_gemm().call(x_in, t[0], t[1], n, group);
+      break;
+    case kW8A8Large:
+      y = w8a8_gemm_large().call(x_in, t[0], t[1], n, group);
       break;
     case kDense:
       y = at::linear(x_in, t[0]);
