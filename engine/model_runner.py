@@ -109,7 +109,7 @@ class ModelRunner:
         if loop is None:
             log.info("decoder loop: python for every forward: %s", reason)
         else:
-            log.info("decoder loop: fused C++ with the cpu attention backend and no layer hook%s",
+            log.info("decoder loop: fused C++ with the cpu attention backend (a C++ call per layer with a layer hook)%s",
                      f"; python for {reason}" if reason else "")
 
     def _use_fp8_kv_cache(self) -> None:

@@ -9,9 +9,10 @@ same arguments, so its logits equal the Python loop's bit for bit.
 
 ``build_decoder_loop(model, ops)`` (once, at load) resolves each linear's chosen kernel per row
 bucket (kernels/linear.py's ``BUCKETS``) into a descriptor list, or says why it cannot; a
-forward then runs fused when ``DecoderLoop.covers(...)`` holds, else the Python loop. Not
-covered (the Python loop runs): a layer hook (int8/KV calibration, layer-wise KV transfer), any
-attention backend but the in-place CPU kernel, the torch layer ops, non-CPU devices, and a row
+forward then runs fused when ``DecoderLoop.covers(...)`` holds, else the Python loop. With a
+layer hook (a prefill worker's layer-wise KV push) the layers run one C++ call each, the hook
+between. Not covered (the Python loop runs): any attention backend but the in-place CPU kernel
+(FP8 KV calibration's recorder among them), the torch layer ops, non-CPU devices, and a row
 bucket where some linear's kernel is one the C++ loop does not call (``KINDS``: e.g. fp32's
 ``mkl_packed``, int8's ``dequant_dense``, FP8's kernels).
 """
@@ -19,7 +20,7 @@ bucket where some linear's kernel is one the C++ loop does not call (``KINDS``: 
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -79,24 +80,36 @@ class DecoderLoop:
         plan = self._plans[bucket]
         return plan if isinstance(plan, str) else ""
 
-    def covers(self, num_rows: int, ops: object, lops: object, layer_hook: object) -> bool:
+    def covers(self, num_rows: int, ops: object, lops: object) -> bool:
         """Whether a forward of ``num_rows`` rows with attention backend ``ops`` and layer ops
         ``lops`` (the model's at this call: a caller may swap them after load) runs fused."""
-        return (layer_hook is None and type(ops) is CpuAttention and getattr(lops, "name", "") == "cpu"
+        return (type(ops) is CpuAttention and getattr(lops, "name", "") == "cpu"
                 and not isinstance(self._plans[bucket_index(num_rows)], str))
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache, meta: AttentionMetadata
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache, meta: AttentionMetadata,
+            layer_hook: Callable[[int], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] embeddings (the residual stream, updated in place), cos/sin [T, D/2] float32
         (CppLayerOps.rope_tables) -> (the last layer's MLP output [T, H], the residual stream
-        before it [T, H]), as the Python loop returns them. Writes every layer's K/V into kv_cache."""
+        before it [T, H]), as the Python loop returns them. Writes every layer's K/V into kv_cache.
+
+        layer_hook: called as ``layer_hook(l)`` after layer l (its K/V written); the layers then
+        run one C++ call each (a prefill worker's layer-wise KV push), else all in one."""
         tensors, desc = self._plans[bucket_index(x.shape[0])]
         cached = self._caches
         if cached is None or cached[0] is not kv_cache:   # (calibration swaps the runner's cache)
             n = kv_cache.spec.num_layers
             cached = self._caches = (kv_cache, [kv_cache.key(l) for l in range(n)], [kv_cache.value(l) for l in range(n)])
-        return self._op(x, cos, sin, cached[1], cached[2], meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                        meta.query_start_loc, tensors, desc, self._dims, self._eps, self._scale)
+        _, keys, values = cached
+        meta_args = (meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+        if layer_hook is None:
+            return self._op(x, None, cos, sin, keys, values, *meta_args, tensors, desc, self._dims, self._eps, self._scale)
+        residual, nt, nd = None, len(tensors) // len(keys), len(desc) // len(keys)
+        for l in range(len(keys)):
+            x, residual = self._op(x, residual, cos, sin, keys[l:l + 1], values[l:l + 1], *meta_args,
+                                   tensors[l * nt:(l + 1) * nt], desc[l * nd:(l + 1) * nd], self._dims, self._eps,
+                                   self._scale)
+            layer_hook(l)
+        return x, residual
 
 
 def _fp32_vector(scale: torch.Tensor) -> torch.Tensor:

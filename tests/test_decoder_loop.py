@@ -1,6 +1,7 @@
 """The fused C++ decoder loop (kernels/decoder_loop.py) against the Python layer loop, on the real
 model: the same logits bit for bit (bf16: unquantized, int8, an FP8 KV cache; prefill chunks in each row bucket,
-a continued chunk, decode steps), and the forwards it does not cover run the Python loop.
+a continued chunk, decode steps, a layer hook between layers), and a forward it does not cover
+runs the Python loop.
 
 Each check asserts which loop ran (``model.decoder_path``), so a fused path that silently fell
 back fails here. Skipped, with the reason, only where the kernel library cannot be built."""
@@ -26,11 +27,11 @@ def runner(request, model_path) -> ModelRunner:
                        kv_cache_dtype=kv_cache_dtype)
 
 
-def _forward(runner: ModelRunner, chunks: list[SeqChunk], path: str) -> torch.Tensor:
+def _forward(runner: ModelRunner, chunks: list[SeqChunk], path: str, layer_hook=None) -> torch.Tensor:
     loop = runner.model.decoder_loop
     runner.model.decoder_loop = loop if path == "fused" else None
     try:
-        logits = runner.forward(chunks)
+        logits = runner.forward(chunks, layer_hook)
     finally:
         runner.model.decoder_loop = loop
     assert runner.model.decoder_path == path
@@ -56,13 +57,27 @@ def test_fused_loop_equals_python_loop(runner):
         assert torch.equal(got, expected), f"step {i}: max |diff| {(got - expected).abs().max().item()}"
 
 
-def test_uncovered_forwards_run_the_python_loop(runner):
-    """A layer hook, and any attention backend but the in-place CPU kernel, take the Python loop."""
-    seen: list[int] = []
-    runner.forward([SeqChunk([1, 2, 3], 0, [40], 1)], layer_hook=seen.append)
+def test_a_layer_hook_runs_between_fused_layers(runner):
+    """With a layer hook the fused loop runs a layer a call: the hook for layer l sees layer l's
+    K written and layer l + 1's not yet, as in the Python loop; the logits are equal."""
+    cache, n = runner.kv_cache.data, runner.model_config.num_layers
+
+    def run(path: str, block: int) -> torch.Tensor:
+        cache[:, :, block] = 0
+        seen: list[tuple[int, bool, bool]] = []
+
+        def hook(l: int) -> None:
+            seen.append((l, bool((cache[l, 0, block] != 0).any()), l + 1 < n and bool((cache[l + 1, 0, block] != 0).any())))
+
+        logits = _forward(runner, [SeqChunk([1, 2, 3], 0, [block], 1)], path, layer_hook=hook)
+        assert seen == [(l, True, False) for l in range(n)]
+        return logits
+
+    assert torch.equal(run("fused", 41), run("python", 40))
+
+
+def test_the_reference_backend_runs_the_python_loop(runner):
+    runner.forward([SeqChunk([1, 2, 3], 0, [42], 1)], pad_to_longest=True)   # the torch reference backend
     assert runner.model.decoder_path == "python"
-    assert seen == list(range(runner.model_config.num_layers))
-    runner.forward([SeqChunk([1, 2, 3], 0, [41], 1)], pad_to_longest=True)   # the torch reference backend
-    assert runner.model.decoder_path == "python"
-    runner.forward([SeqChunk([1, 2, 3], 0, [42], 1)])
+    runner.forward([SeqChunk([1, 2, 3], 0, [43], 1)])
     assert runner.model.decoder_path == "fused"

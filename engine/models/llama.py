@@ -192,8 +192,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)   # a fresh tensor: it becomes the residual stream
         cos, sin = lops.rope_tables(positions, self.inv_freq.to(x.device), x.dtype)
         loop = self.decoder_loop
-        if loop is not None and loop.covers(x.shape[0], ops, lops, layer_hook):
-            x, residual = loop.run(x, cos, sin, kv_cache, meta)
+        if loop is not None and loop.covers(x.shape[0], ops, lops):
+            x, residual = loop.run(x, cos, sin, kv_cache, meta, layer_hook)
             self.decoder_path = "fused"
         else:   # the reference loop (and everything the fused one does not cover)
             residual = None

@@ -23,6 +23,10 @@
 //   linear_desc, per layer and linear: kind (LinearKind), n (output features), group (int8
 //     activation group), has_bias.
 //   dims: num_heads, num_kv_heads, head_dim, has_kv_scales.
+//
+// residual: None for the whole stack from the embeddings x (which become the residual stream);
+// else the stream before x, so the stack can be run a layer at a time (a layer hook between).
+// Returns (the last layer's MLP output, the residual stream before it), as the Python loop.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -133,7 +137,8 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor* t, const int64_t* d)
   return d[3] ? y + t[2] : y;
 }
 
-std::tuple<at::Tensor, at::Tensor> decoder_loop(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
+std::tuple<at::Tensor, at::Tensor> decoder_loop(at::Tensor& x_in, const std::optional<at::Tensor>& residual_in,
+                                                const at::Tensor& cos, const at::Tensor& sin,
                                                 at::TensorList key_caches, at::TensorList value_caches,
                                                 const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                                 const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
@@ -153,7 +158,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_loop(const at::Tensor& x_in, const at
   const Ops& o = ops();
   const auto opts = x_in.options();
 
-  at::Tensor x = x_in, residual = x_in;   // the first layer's residual is the embeddings (updated in place)
+  // Without a residual, x is the embeddings and becomes the residual stream (updated in place);
+  // with one (a call per layer, a layer hook between), x is the previous layer's MLP output.
+  at::Tensor x = x_in, residual = residual_in.has_value() ? *residual_in : x_in;
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous(), "decoder_loop: residual must be contiguous, as x");
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* lt = layer_tensors.data() + l * kTensorsPerLayer;
     const int64_t* ld = linear_desc.data() + l * kLinears * kDescPerLinear;
@@ -161,7 +169,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_loop(const at::Tensor& x_in, const at
     const OptTensor v_scale = kv_scales ? OptTensor(lt[3]) : std::nullopt;
 
     at::Tensor h = at::empty_like(x);
-    if (l == 0) {
+    if (l == 0 && !residual_in.has_value()) {
       o.rms_norm.call(h, x, lt[0], eps);
     } else {
       o.add_rms_norm.call(h, x, residual, lt[0], eps);
@@ -192,7 +200,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_loop(const at::Tensor& x_in, const at
 }  // namespace
 
 TORCH_LIBRARY(pdserve_loop, m) {
-  m.def("decoder_loop(Tensor x, Tensor cos, Tensor sin, Tensor[] key_caches, Tensor[] value_caches, "
+  m.def("decoder_loop(Tensor(a!) x, Tensor(b!)? residual, Tensor cos, Tensor sin, Tensor[] key_caches, Tensor[] value_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
         "Tensor[] layer_tensors, int[] linear_desc, int[] dims, float eps, float scale) -> (Tensor, Tensor)");
 }
