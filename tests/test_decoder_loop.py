@@ -14,6 +14,7 @@ import torch
 from engine.batch import SeqChunk
 from engine.model_runner import ModelRunner
 from kernels.cpu_attention import load_extension
+from kernels import linear
 
 
 @pytest.fixture(scope="module", params=[("none", "auto"), ("int8", "auto"), ("none", "fp8_e4m3")],
@@ -23,8 +24,23 @@ def runner(request, model_path) -> ModelRunner:
     if op is None:
         pytest.skip(f"the kernel library cannot be built here: {reason}")
     quantization, kv_cache_dtype = request.param
-    return ModelRunner(model_path, dtype=torch.bfloat16, num_blocks=48, quantization=quantization,
-                       kv_cache_dtype=kv_cache_dtype)
+    # Every linear takes its quiet-machine kernel (linear.py's `preferred`: bf16 small_gemm /
+    # small_gemm / onednn_packed, int8 w8a8_vnni): on a loaded host the load-time timing can pick
+    # int8's dequant_dense at 16 rows, a kernel the C++ loop does not call (that bucket then runs
+    # the Python loop, logged), and this test is about the fused path, not about that timing.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(linear, "_choice_cache", {})
+        mp.setattr(linear, "_fastest", lambda kernels, *args, **kw: _preferred(kernels, *args, **kw))
+        runner = ModelRunner(model_path, dtype=torch.bfloat16, num_blocks=48, quantization=quantization,
+                             kv_cache_dtype=kv_cache_dtype)
+    loop = runner.model.decoder_loop
+    assert loop is not None and all(loop.reason(b) == "" for b in range(len(linear.BUCKETS))), \
+        [loop.reason(b) for b in range(len(linear.BUCKETS))]
+    return runner
+
+
+def _preferred(kernels, in_features, dtype, device, rows, preferred=None, *args, **kw) -> str:
+    return preferred if preferred in kernels else next(iter(kernels))
 
 
 def _forward(runner: ModelRunner, chunks: list[SeqChunk], path: str, layer_hook=None) -> torch.Tensor:
@@ -40,7 +56,6 @@ def _forward(runner: ModelRunner, chunks: list[SeqChunk], path: str, layer_hook=
 
 def test_fused_loop_equals_python_loop(runner):
     """Both loops over the same tokens, each into its own blocks: equal logits at every forward."""
-    assert runner.model.decoder_loop is not None
     long = list(range(3, 3 + 140))   # > 128 rows: the prefill bucket (oneDNN / int8 prefill kernels)
     short = list(range(50, 50 + 9))
     tables = {"python": ([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [10, 11]), "fused": ([20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [30, 31])}
