@@ -18,6 +18,7 @@ from bench import compare as bench_compare
 from bench import decoder_loop as bench_decoder_loop
 from bench import engine as bench_engine
 from bench import gpu_check as bench_gpu_check
+from bench import int8_prefill as bench_int8_prefill
 from bench import kv_transfer as bench_kv_transfer
 from bench import offline as bench_offline
 from bench import quant as bench_quant
@@ -51,6 +52,7 @@ bench_app.command("attention")(bench_attention.command)
 bench_app.command("decoder-loop")(bench_decoder_loop.command)
 bench_app.command("offline")(bench_offline.command)
 bench_app.command("quant")(bench_quant.command)
+bench_app.command("int8-prefill")(bench_int8_prefill.command)
 bench_app.command("kv-transfer")(bench_kv_transfer.command)
 bench_app.command("serve")(bench_serve.command)
 bench_app.command("compare")(bench_compare.command)
