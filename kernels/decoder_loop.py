@@ -13,8 +13,8 @@ forward then runs fused when ``DecoderLoop.covers(...)`` holds, else the Python 
 layer hook (a prefill worker's layer-wise KV push) the layers run one C++ call each, the hook
 between. Not covered (the Python loop runs): any attention backend but the in-place CPU kernel
 (FP8 KV calibration's recorder among them), the torch layer ops, non-CPU devices, and a row
-bucket where some linear's kernel is one the C++ loop does not call (``KINDS``: e.g. fp32's
-``mkl_packed``, int8's ``dequant_dense``, FP8's kernels).
+bucket where some linear's kernel is one the C++ loop does not call (``KINDS``: e.g. int8's
+``dequant_dense``, FP8's kernels).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from kernels.linear import BUCKETS, MeasuredLinear, bucket_index
 
 log = logging.getLogger(__name__)
 
-KINDS = {"small_gemm": 0, "w8a8_vnni": 1, "F.linear": 2, "onednn_packed": 3, "w8a8_vnni_large": 4}
+KINDS = {"small_gemm": 0, "w8a8_vnni": 1, "F.linear": 2, "onednn_packed": 3, "w8a8_vnni_large": 4, "mkl_packed": 5}
 """kernels/linear.py kernel name -> the C++ loop's LinearKind (csrc/decoder_loop.cpp)."""
 
 _EMPTY = torch.empty(0)   # a placeholder for an absent tensor (Tensor[] cannot hold None)
@@ -51,6 +51,8 @@ def linear_operands(linear: nn.Module, bucket: int) -> tuple[list[torch.Tensor],
         a, b = linear._packed["onednn_packed"], _EMPTY
     elif name == "F.linear":
         a, b = linear.weight, _EMPTY
+    elif name == "mkl_packed":   # (MKL's fp32 kernel reads the plain weight too)
+        a, b = linear._packed["mkl_packed"], linear.weight
     else:   # w8a8_vnni, w8a8_vnni_large (the same operands)
         a, b = linear.qweight, linear.weight_scale
     bias = linear.bias

@@ -1,5 +1,5 @@
 """The fused C++ decoder loop (kernels/decoder_loop.py) against the Python layer loop, on the real
-model: the same logits bit for bit (bf16: unquantized, int8, an FP8 KV cache; prefill chunks in each row bucket,
+model: the same logits bit for bit (bf16: unquantized, int8, an FP8 KV cache; fp32; prefill chunks in each row bucket,
 a continued chunk, decode steps, a layer hook between layers), and a forward it does not cover
 runs the Python loop.
 
@@ -17,21 +17,23 @@ from kernels.cpu_attention import load_extension
 from kernels import linear
 
 
-@pytest.fixture(scope="module", params=[("none", "auto"), ("int8", "auto"), ("none", "fp8_e4m3")],
-                ids=["bf16", "int8", "fp8-kv"])
+@pytest.fixture(scope="module", params=[("none", "auto", torch.bfloat16), ("int8", "auto", torch.bfloat16),
+                                        ("none", "fp8_e4m3", torch.bfloat16), ("none", "auto", torch.float32)],
+                ids=["bf16", "int8", "fp8-kv", "fp32"])
 def runner(request, model_path) -> ModelRunner:
     op, reason = load_extension()
     if op is None:
         pytest.skip(f"the kernel library cannot be built here: {reason}")
-    quantization, kv_cache_dtype = request.param
+    quantization, kv_cache_dtype, dtype = request.param
     # Every linear takes its quiet-machine kernel (linear.py's `preferred`: bf16 small_gemm /
-    # small_gemm / onednn_packed, int8 w8a8_vnni): on a loaded host the load-time timing can pick
+    # small_gemm / onednn_packed, int8 w8a8_vnni; fp32 has none: F.linear at 1 row, MKL's prepacked
+    # kernel above, so the test covers both): on a loaded host the load-time timing can pick
     # int8's dequant_dense at 16 rows, a kernel the C++ loop does not call (that bucket then runs
     # the Python loop, logged), and this test is about the fused path, not about that timing.
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(linear, "_choice_cache", {})
         mp.setattr(linear, "_fastest", lambda kernels, *args, **kw: _preferred(kernels, *args, **kw))
-        runner = ModelRunner(model_path, dtype=torch.bfloat16, num_blocks=48, quantization=quantization,
+        runner = ModelRunner(model_path, dtype=dtype, num_blocks=48, quantization=quantization,
                              kv_cache_dtype=kv_cache_dtype)
     loop = runner.model.decoder_loop
     assert loop is not None and all(loop.reason(b) == "" for b in range(len(linear.BUCKETS))), \
@@ -40,7 +42,11 @@ def runner(request, model_path) -> ModelRunner:
 
 
 def _preferred(kernels, in_features, dtype, device, rows, preferred=None, *args, **kw) -> str:
-    return preferred if preferred in kernels else next(iter(kernels))
+    if preferred in kernels:
+        return preferred
+    if rows > linear.BUCKETS[0] and "mkl_packed" in kernels:
+        return "mkl_packed"
+    return "F.linear" if "F.linear" in kernels else next(iter(kernels))
 
 
 def _forward(runner: ModelRunner, chunks: list[SeqChunk], path: str, layer_hook=None) -> torch.Tensor:

@@ -11,7 +11,7 @@
 //
 // Every kernel is called through c10's dispatcher with a typed handle looked up once (the ops of
 // layer_ops.cpp, kv_cache_write.cpp, paged_attention.cpp, small_gemm.cpp, int8_gemm.cpp, int8_gemm_prefill.cpp and aten's
-// linear; oneDNN's prepacked linear boxed, as its schema has no fixed C++ signature here), so this
+// linear; oneDNN's and MKL's prepacked linears boxed, as their schemas have no fixed C++ signature here), so this
 // file depends on those ops' schemas only, never on their code. Which kernel each linear runs
 // (for this forward's row count) is decided in Python (kernels/decoder_loop.py) and handed over
 // as a descriptor list; the layer's tensors come as one flat list:
@@ -36,7 +36,7 @@
 
 namespace {
 
-enum LinearKind : int64_t { kSmallGemm = 0, kW8A8 = 1, kDense = 2, kOneDnnPacked = 3, kW8A8Large = 4 };
+enum LinearKind : int64_t { kSmallGemm = 0, kW8A8 = 1, kDense = 2, kOneDnnPacked = 3, kW8A8Large = 4, kMklPacked = 5 };
 constexpr int64_t kLinears = 4;                 // qkv, o, gate_up, down
 constexpr int64_t kTensorsPerLayer = 4 + 3 * kLinears;
 constexpr int64_t kDescPerLinear = 4;
@@ -104,6 +104,11 @@ const c10::OperatorHandle& onednn_linear() {
   return h;
 }
 
+const c10::OperatorHandle& mkl_linear() {   // fp32: MKL's prepacked weight (and the plain one)
+  static const auto h = find("mkl::_mkl_linear");
+  return h;
+}
+
 // x [M, K] -> [M, n], as kernels/linear.py's chosen kernel computes it (bias added after, as there).
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor* t, const int64_t* d) {
   const int64_t kind = d[0], n = d[1], group = d[2];
@@ -128,6 +133,12 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor* t, const int64_t* d)
       torch::jit::Stack stack{x_in, t[0], c10::IValue(), c10::IValue("none"),
                               c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue("")};
       onednn_linear().callBoxed(stack);
+      y = std::move(stack[0]).toTensor();
+      break;
+    }
+    case kMklPacked: {
+      torch::jit::Stack stack{x_in, t[0], t[1], c10::IValue(), c10::IValue(x_in.size(0))};
+      mkl_linear().callBoxed(stack);
       y = std::move(stack[0]).toTensor();
       break;
     }
@@ -206,6 +217,6 @@ TORCH_LIBRARY(pdserve_loop, m) {
 }
 
 TORCH_LIBRARY_IMPL(pdserve_loop, CPU, m) { m.impl("decoder_loop", &decoder_loop); }
-// oneDNN's prepacked weights are MkldnnCPU tensors: a forward whose prefill linears read them
+// oneDNN's (bf16) and MKL's (fp32) prepacked weights are MkldnnCPU tensors: a forward whose linears read them
 // dispatches on that key.
 TORCH_LIBRARY_IMPL(pdserve_loop, MkldnnCPU, m) { m.impl("decoder_loop", &decoder_loop); }
