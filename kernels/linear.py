@@ -167,7 +167,7 @@ def _fastest(kernels: dict[str, Kernel], in_features: int, dtype: torch.dtype, d
     """The kernel with the least best-of-``rounds`` time on a random [rows, in_features] input.
 
     One warm-up call each, in cache (which also checks the kernel runs here: one that raises is
-    never chosen); kernels over 3x slower than the fastest warm-up are dropped (CPU ``_scaled_mm`` is
+    never chosen); kernels over 3x slower than the fastest warm-up are dropped, the preferred one never (CPU ``_scaled_mm`` is
     ~30x slower than bf16); the rest are timed round-robin, each round about ``budget_s`` per
     kernel, and each keeps its minimum, which other processes on a busy machine inflate least.
     evict: called before every timed call (one call per round then): the time of a kernel on a
@@ -187,7 +187,9 @@ def _fastest(kernels: dict[str, Kernel], in_features: int, dtype: torch.dtype, d
         if not best:
             raise RuntimeError(f"no linear kernel runs here for {dtype} on {device}: tried {list(kernels)}")
         fastest = min(best.values())
-        best = {name: (t if evict is None else float("inf")) for name, t in best.items() if t <= 3 * fastest}
+        # (the preferred kernel is never dropped on its warm-up: one call a busy host slowed 3x dropped it)
+        best = {name: (t if evict is None else float("inf")) for name, t in best.items()
+                if t <= 3 * fastest or name == preferred}
         reps = 1 if evict is not None else max(1, min(10, int(budget_s / max(fastest, 1e-6))))
         for _ in range(rounds if evict is None else rounds + 1):   # one call a round: one more
             for name in best:
@@ -492,10 +494,12 @@ class Int8Linear(MeasuredLinear):
             self.register_buffer("weight_scale", scale, persistent=False)
         self.bias = None if bias is None else bias.detach()
         # Quiet-machine winners (Zen 5): the decode kernel at 1 and 16 rows, the prefill kernel at 512
-        # (1.2-1.5x the decode kernel there, 2 threads).
+        # (1.2-1.5x the decode kernel there, 2 threads). Where the VNNI kernels run, dequant_dense is
+        # offered at 512 rows only: it never won a decode bucket on a quiet machine, but a timing on
+        # a loaded host picked it for 16 rows (~2 ms a step lost, and that bucket off the fused loop).
         self._choose(self._candidates(), self.dtype, q.device,
                      ("w8a8_vnni", "w8a8_vnni", "w8a8_vnni_large") if self.tiled else None, decode_only,
-                     prefill_only=("w8a8_vnni_large",))
+                     prefill_only=("w8a8_vnni_large", "dequant_dense") if self.tiled else ("w8a8_vnni_large",))
 
     def _int8_nk(self) -> torch.Tensor:
         """The int8 weight [N, K] (unpacked from the tiles when they hold it: a copy)."""
