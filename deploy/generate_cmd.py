@@ -22,6 +22,8 @@ from engine.quantization import check_kv_cache_dtype, check_quantization
 from proto.sampling import InvalidRequest, SamplingParams
 
 
+OFFLINE_MAX_NUM_SEQS = 256   # engine.llm.LLM's default
+
 def command(
     prompt: Optional[str] = typer.Argument(None, help="The prompt (or use --prompts-file)."),
     model: str = typer.Option("smollm2-135m-instruct", "--model", "-m",
@@ -88,9 +90,11 @@ def _generate_offline(model: Path, prompts: list[str], params: SamplingParams, c
     from engine.platform import bind_to_cores
 
     bind_to_cores(rt.cores[0] if rt.cores else None, rt.threads)
+    # At most as many sequences as the budget has tokens (each running one decodes a token a step):
+    # a small --max-num-batched-tokens runs fewer prompts at a time instead of failing.
     llm = LLM(model, dtype=rt.dtype, num_blocks=rt.num_blocks, kv_cache_memory_bytes=rt.kv_cache_memory_bytes,
               max_num_batched_tokens=rt.max_num_batched_tokens, quantization=quantization,
-              kv_cache_dtype=kv_cache_dtype)
+              kv_cache_dtype=kv_cache_dtype, max_num_seqs=min(OFFLINE_MAX_NUM_SEQS, rt.max_num_batched_tokens))
     return llm.generate(prompts, params, chat=chat)
 
 

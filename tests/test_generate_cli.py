@@ -42,12 +42,13 @@ def test_chat_prompt_gets_a_sensible_answer(model_path):
 
 @pytest.mark.model
 def test_prompts_file_json_one_object_per_prompt_in_order(model_path, tmp_path):
+    """Also with a budget below the offline engine's 256 sequences: fewer run at a time (it was a traceback)."""
     from engine.model_loader import load_tokenizer
 
     prompts = ["What is the capital of France?", "Count from one to ten.", "Name a color."]
     f = tmp_path / "prompts.jsonl"
     f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    result = pdserve("--chat", "--json", "--max-tokens", "8", "--prompts-file", str(f))
+    result = pdserve("--chat", "--json", "--max-tokens", "8", "--prompts-file", str(f), "--max-num-batched-tokens", "16")
     assert result.returncode == 0, result.stderr
     objects = [json.loads(line) for line in result.stdout.splitlines()]
     assert len(objects) == 3
