@@ -53,6 +53,8 @@
 #include <utility>
 #include <vector>
 
+#include "int8_activations.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #define PDSERVE_INT8_GEMM 1
 #include <immintrin.h>
@@ -61,49 +63,14 @@
 namespace {
 
 #if PDSERVE_INT8_GEMM
-constexpr int64_t kChunk = 32;     // the activation group is a multiple of these input channels
+using pdserve_int8::kChunk;
 constexpr int kMaxRows = 16;       // rows per pass (more rows: passes of equal size)
 constexpr int64_t kPrefetch = 8;       // lines ahead within a tile's stream, into L1
 constexpr int kL2PrefetchRows = 5;     // from these rows on, the next unit into L2 as well
 
 // One pass's quantized activations, rows [0, ldq) of the pass (written by quantize_row).
-struct Pass {
-  int32_t* xq;     // [K/4][ldq]: the 4 bytes xq[m, 4 kq .. 4 kq + 3] at xq[kq * ldq + m]
-  float* sx;       // [K/group][ldq]: sx[m, g] at sx[g * ldq + m]
-  int32_t* corr;   // [K/group][ldq]: -128 sum_{k in g} xq[m, k] at corr[g * ldq + m]
-  int64_t ldq;
-};
-
-// Row x [K] bf16 -> row r of pass p: xq = round(x / sx) (half to even, the default MXCSR mode,
-// |xq| <= 127), sx and corr per group of `group` channels (a multiple of 32). tmp: 32 bytes of scratch.
-void quantize_row(const at::BFloat16* x, int64_t k, int64_t group, int64_t r, const Pass& p, int8_t* tmp) {
-  const uint16_t* row = reinterpret_cast<const uint16_t*>(x);
-  const int64_t groups = k / group, chunks = group / kChunk;
-  auto load = [&](int64_t c, int half) {   // 16 values of chunk c (channels 32 c + 16 half ..) as fp32
-    const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * kChunk + 16 * half)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-  };
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512 vmax = _mm512_setzero_ps();
-    for (int64_t c = g * chunks; c < (g + 1) * chunks; ++c)
-      vmax = _mm512_max_ps(vmax, _mm512_max_ps(_mm512_abs_ps(load(c, 0)), _mm512_abs_ps(load(c, 1))));
-    const float amax = _mm512_reduce_max_ps(vmax);
-    const float scale = amax > 0.f ? amax / 127.f : 1.f;
-    p.sx[g * p.ldq + r] = scale;
-    const __m512 inv = _mm512_set1_ps(1.f / scale);
-    __m512i sum = _mm512_setzero_si512();
-    for (int64_t c = g * chunks; c < (g + 1) * chunks; ++c) {
-      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(load(c, 0), inv));
-      const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(load(c, 1), inv));
-      sum = _mm512_add_epi32(sum, _mm512_add_epi32(qlo, qhi));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp), _mm512_cvtsepi32_epi8(qlo));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp + 16), _mm512_cvtsepi32_epi8(qhi));
-      const int32_t* t32 = reinterpret_cast<const int32_t*>(tmp);
-      for (int64_t i = 0; i < kChunk / 4; ++i) p.xq[(c * kChunk / 4 + i) * p.ldq + r] = t32[i];
-    }
-    p.corr[g * p.ldq + r] = -128 * _mm512_reduce_add_epi32(sum);
-  }
-}
+using Pass = pdserve_int8::QuantizedRows;
+using pdserve_int8::quantize_row;
 
 // Whether MR x NT int32 and fp32 accumulators and NT weight lines fit the 32 vector registers
 // (with a broadcast and a scale to spare).
@@ -209,17 +176,8 @@ constexpr int nt_index(int nt) { return nt == 1 ? 0 : nt == 2 ? 1 : nt == 4 ? 2 
 // linears a step, each a few us of overhead at batch 1).
 at::Tensor w8a8_gemm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& wscale, int64_t n,
                      int64_t group) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be bf16 [M, K]");
-  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 4 && packed.is_contiguous() &&
-                  packed.scalar_type() == at::kByte, "packed must be a contiguous uint8 [N/16, K/4, 16, 4]");
+  const at::Tensor x = pdserve_int8::checked_input(x_in, packed, wscale, n, group);
   const int64_t m = x.size(0), k = x.size(1), tiles = packed.size(0);
-  TORCH_CHECK(k == 4 * packed.size(1), "x has ", k, " columns, the packed weight ", 4 * packed.size(1));
-  TORCH_CHECK(group > 0 && group % 32 == 0 && k % group == 0, "group must be a multiple of 32 dividing K = ", k,
-              ", got ", group);
-  TORCH_CHECK(n > 16 * (tiles - 1) && n <= 16 * tiles, "n does not match the packed weight's tiles");
-  TORCH_CHECK(wscale.dim() == 1 && wscale.size(0) == 16 * tiles && wscale.is_contiguous() &&
-                  wscale.scalar_type() == at::kFloat, "wscale must be a contiguous fp32 [16 * tiles]");
   at::Tensor out = at::empty({m, n}, x.options());
 #if PDSERVE_INT8_GEMM
   if (m == 0) return out;

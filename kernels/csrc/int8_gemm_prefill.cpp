@@ -43,6 +43,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "int8_activations.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #define PDSERVE_INT8P_GEMM 1
 #include <immintrin.h>
@@ -51,7 +53,6 @@
 namespace {
 
 #if PDSERVE_INT8P_GEMM
-constexpr int64_t kChunk = 32;   // the activation group is a multiple of these input channels
 constexpr int kRows = 4;         // rows per micro-kernel call
 constexpr int kTiles = 3;        // tiles of 16 output columns per panel
 
@@ -62,39 +63,6 @@ struct Blocks {
   int32_t* corr;   // [M/4][K/group][4]: -128 sum_{k in g} xq[4 b + r, k], same indexing
   int64_t k4, groups;
 };
-
-// Row x [K] bf16 -> row r of block b (w8a8_gemm's quantize_row, stored in this kernel's layout).
-void quantize_row(const at::BFloat16* x, int64_t k, int64_t group, int64_t b, int r, const Blocks& q) {
-  const uint16_t* row = reinterpret_cast<const uint16_t*>(x);
-  const int64_t chunks = group / kChunk;
-  alignas(64) int8_t tmp[kChunk];
-  auto load = [&](int64_t c, int half) {   // 16 values of chunk c (channels 32 c + 16 half ..) as fp32
-    const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * kChunk + 16 * half)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-  };
-  int32_t* xq = q.xq + b * q.k4 * kRows;
-  for (int64_t g = 0; g < q.groups; ++g) {
-    __m512 vmax = _mm512_setzero_ps();
-    for (int64_t c = g * chunks; c < (g + 1) * chunks; ++c)
-      vmax = _mm512_max_ps(vmax, _mm512_max_ps(_mm512_abs_ps(load(c, 0)), _mm512_abs_ps(load(c, 1))));
-    const float amax = _mm512_reduce_max_ps(vmax);
-    const float scale = amax > 0.f ? amax / 127.f : 1.f;
-    const int64_t at = (b * q.groups + g) * kRows + r;
-    q.sx[at] = scale;
-    const __m512 inv = _mm512_set1_ps(1.f / scale);
-    __m512i sum = _mm512_setzero_si512();
-    for (int64_t c = g * chunks; c < (g + 1) * chunks; ++c) {
-      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(load(c, 0), inv));
-      const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(load(c, 1), inv));
-      sum = _mm512_add_epi32(sum, _mm512_add_epi32(qlo, qhi));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp), _mm512_cvtsepi32_epi8(qlo));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp + 16), _mm512_cvtsepi32_epi8(qhi));
-      const int32_t* t32 = reinterpret_cast<const int32_t*>(tmp);
-      for (int64_t i = 0; i < kChunk / 4; ++i) xq[(c * kChunk / 4 + i) * kRows + r] = t32[i];
-    }
-    q.corr[at] = -128 * _mm512_reduce_add_epi32(sum);
-  }
-}
 
 // Rows [4 b, 4 b + rows) x tiles [0, NT) of the panel at w (tile t at w + t tile_stride, output
 // columns n0 + 16 t ..): out[m, col] for col < n.
@@ -144,17 +112,8 @@ void micro_kernel(const Blocks& q, int64_t b, int rows, int64_t quads, const uin
 // pdserve_int8::w8a8_gemm (same arguments, same checks, same result).
 at::Tensor w8a8_gemm_large(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& wscale, int64_t n,
                            int64_t group) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be bf16 [M, K]");
-  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 4 && packed.is_contiguous() &&
-                  packed.scalar_type() == at::kByte, "packed must be a contiguous uint8 [N/16, K/4, 16, 4]");
+  const at::Tensor x = pdserve_int8::checked_input(x_in, packed, wscale, n, group);
   const int64_t m = x.size(0), k = x.size(1), tiles = packed.size(0);
-  TORCH_CHECK(k == 4 * packed.size(1), "x has ", k, " columns, the packed weight ", 4 * packed.size(1));
-  TORCH_CHECK(group > 0 && group % 32 == 0 && k % group == 0, "group must be a multiple of 32 dividing K = ", k,
-              ", got ", group);
-  TORCH_CHECK(n > 16 * (tiles - 1) && n <= 16 * tiles, "n does not match the packed weight's tiles");
-  TORCH_CHECK(wscale.dim() == 1 && wscale.size(0) == 16 * tiles && wscale.is_contiguous() &&
-                  wscale.scalar_type() == at::kFloat, "wscale must be a contiguous fp32 [16 * tiles]");
   at::Tensor out = at::empty({m, n}, x.options());
 #if PDSERVE_INT8P_GEMM
   if (m == 0) return out;
@@ -168,7 +127,12 @@ at::Tensor w8a8_gemm_large(const at::Tensor& x_in, const at::Tensor& packed, con
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   const int64_t ldx = x.stride(0);
   at::parallel_for(0, m, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) quantize_row(xp + r * ldx, k, group, r / kRows, static_cast<int>(r % kRows), q);
+    alignas(64) int8_t tmp[pdserve_int8::kChunk];
+    for (int64_t r = r0; r < r1; ++r) {   // block b's rows: QuantizedRows of ldq kRows at the block's base
+      const int64_t b = r / kRows;
+      const pdserve_int8::QuantizedRows rows{q.xq + b * k4 * kRows, q.sx + b * groups * kRows, q.corr + b * groups * kRows, kRows};
+      pdserve_int8::quantize_row(xp + r * ldx, k, group, r % kRows, rows, tmp);
+    }
   });
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = wscale.data_ptr<float>();
