@@ -370,7 +370,9 @@ async def _serve(spec, router_config, ray_address: str | None, n_routers: int = 
     routers: list[Router] = []
     autoscaler = admin = None
     try:
-        print(f"pdserve: starting {len(spec.worker_configs())} workers ({spec.mode}, kv transport {spec.kv_transport})...", flush=True)
+        n = len(spec.worker_configs())
+        print(f"pdserve: starting {n} worker{'s' if n != 1 else ''} ({spec.mode}, kv transport {spec.kv_transport})...",
+              flush=True)
         await _until_stopped(controller.start(), stop)
         lines = [f"pdserve: serving {spec.model}" + (f" as {spec.served_model_name}" if spec.served_model_name
                                                       else "")

@@ -98,7 +98,7 @@ def import_gguf(gguf_path: Path) -> Path:
     with _file_lock(models / f".{gguf_path.stem}.lock"):
         if (target / _COMPLETE_MARKER).is_file():  # another process finished it while we waited
             return target
-        print(f"pdserve: importing {gguf_path.name} into {target} (once; about a minute)...",
+        print(f"pdserve: importing {gguf_path.name} into {target} (once; a few seconds)...",
               file=sys.stderr, flush=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{gguf_path.stem}.tmp-", dir=models))
         try:
