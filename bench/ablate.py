@@ -40,6 +40,7 @@ import typer
 
 from bench import ablate_plan as plan_mod
 from bench.ablate_analysis import Gates
+from bench.options import int_list
 from engine.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -137,13 +138,7 @@ def command(
 
 def parse_tiers(text: str) -> tuple[int, ...]:
     """``"1,16,64"`` -> (1, 16, 64); UserError naming --concurrency otherwise."""
-    try:
-        tiers = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise UserError(f"--concurrency {text!r}: expected integers separated by commas, e.g. 1,16,64") from None
-    if not tiers or any(t < 1 for t in tiers) or len(set(tiers)) != len(tiers):
-        raise UserError(f"--concurrency {text!r}: distinct integers >= 1")
-    return tiers
+    return tuple(int_list(text, "--concurrency", distinct=True, example="1,16,64"))
 
 
 def requests_for_tier(c: int, most: int, least: int) -> int:

@@ -38,6 +38,8 @@ from typing import Callable
 
 import typer
 
+from bench.options import int_list
+
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 COLD_BYTES = 64 * 2**20
 
@@ -71,12 +73,12 @@ def command(
     result = {"threads": torch.get_num_threads(), "load_before": os.getloadavg(),
               "cpu_capability": torch.backends.cpu.get_cpu_capability(), "op": [], "prefill": [], "step": []}
     for dtype in names:
-        for batch in _ints(batch_sizes):
-            for context in _ints(contexts):
-                for qlen in _ints(query_lens):
+        for batch in int_list(batch_sizes, "--batch-sizes"):
+            for context in int_list(contexts, "--contexts"):
+                for qlen in int_list(query_lens, "--query-lens"):
                     result["op"].append(_op(getattr(torch, dtype), batch, context, repeats, qlen))
     for dtype in names:
-        for length in _ints(prefill_lens):
+        for length in int_list(prefill_lens, "--prefill-lens"):
             for start in (0, length):
                 result["prefill"].append(_prefill(getattr(torch, dtype), start, length, repeats))
     if step_batch:
@@ -90,8 +92,6 @@ def command(
     print(f"wrote {json_out}")
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def _op(dtype, batch: int, context: int, repeats: int, qlen: int = 1) -> dict:

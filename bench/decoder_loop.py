@@ -23,6 +23,8 @@ from pathlib import Path
 
 import typer
 
+from bench.options import int_list
+
 
 def command(
     json_out: Path = typer.Option(Path("out/bench_decoder_loop.json"), "--json", help="Where to write the results."),
@@ -41,7 +43,7 @@ def command(
     from engine.model_runner import ModelRunner
 
     torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
-    batches = [int(b) for b in batch_sizes.split(",") if b.strip()]
+    batches = int_list(batch_sizes, "--batch-sizes")
     result = {"threads": torch.get_num_threads(), "load_before": os.getloadavg(), "dtype": dtype,
               "context": context, "repeats": repeats, "rows": []}
     blocks = -(-(context + 8) // 16)

@@ -36,6 +36,7 @@ from typing import Callable, Optional
 
 import typer
 
+from bench.options import int_list
 from engine.errors import UserError
 
 DECODE_WARMUP = 3   # untimed decode steps per dtype and batch size before the timed ones
@@ -62,7 +63,7 @@ def command(
     """Prefill tok/s and decode ms/step per dtype, beside GEMM-peak and bandwidth floors."""
     names = _parse_dtypes(dtypes)
     counts = _parse_threads(threads)
-    sizes = _parse_ints(batch_sizes, "--batch-sizes")
+    sizes = int_list(batch_sizes, "--batch-sizes")
     import torch
 
     from engine import platform
@@ -108,16 +109,6 @@ def _write(path: Path, result: dict) -> None:
 
 # ---- arguments -------------------------------------------------------------------------------
 
-def _parse_ints(text: str, option: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise UserError(f"{option} {text!r}: expected comma-separated integers >= 1, e.g. 1,16,32")
-    return values
-
-
 def _parse_dtypes(text: str) -> list[str]:
     from engine.platform import resolve_dtype_name
 
@@ -137,7 +128,7 @@ def _parse_threads(text: str | None) -> list[int]:
     n = len(available_cores())
     if text is None:
         return sorted({1, n})
-    return [check_threads(t, option="--threads") for t in _parse_ints(text, "--threads")]
+    return [check_threads(t, option="--threads") for t in int_list(text, "--threads")]
 
 
 # ---- the machine -----------------------------------------------------------------------------

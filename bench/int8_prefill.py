@@ -27,6 +27,8 @@ from pathlib import Path
 
 import typer
 
+from bench.options import int_list
+
 SHAPES = ((960, 576, "self_attn.qkv_proj"), (576, 576, "self_attn.o_proj"), (3072, 576, "mlp.gate_up_proj"),
           (576, 1536, "mlp.down_proj"))   # (out, in, projection)
 KERNELS = ("w8a8_vnni_large", "w8a8_vnni")
@@ -46,12 +48,7 @@ def command(
 
     from engine.errors import UserError
 
-    try:
-        row_counts = [int(r) for r in rows.split(",") if r.strip()]
-    except ValueError:
-        row_counts = []
-    if not row_counts or min(row_counts) < 1:
-        raise UserError(f"--rows: {rows!r} is not a comma-separated list of positive integers")
+    row_counts = int_list(rows, "--rows", example="512,2048")
     if repeats < 1 or forwards < 1 or tokens < 0:
         raise UserError("--repeats and --forwards must be >= 1, --tokens >= 0")
     torch.set_num_threads(threads or len(os.sched_getaffinity(0)))

@@ -38,6 +38,8 @@ from typing import Any
 
 import typer
 
+from bench.options import int_list
+
 CHUNKS = [1 << k for k in range(10, 27, 2)]  # 1 KiB, 4 KiB, ..., 64 MiB
 BW_NUM_BLOCKS = 1 << 16  # 1 KiB blocks: K and V regions of 64 MiB each
 MAX_RUNS = 2048  # bounds the descriptor count (and Python framing cost) for small chunks
@@ -62,7 +64,7 @@ def command(
     backends = ["nixl", "torch", "tcp"] if backend == "all" else [backend]
     if any(b not in ("nixl", "torch", "tcp") for b in backends):
         raise UserError(f"--backend must be nixl, torch, tcp or all, got {backend!r}")
-    sizes = [int(x) for x in chunks.split(",")] if chunks else CHUNKS
+    sizes = int_list(chunks, "--chunks", example="1048576,4194304") if chunks else CHUNKS
     if any(s < 1024 or s % 1024 or s > BW_NUM_BLOCKS * 1024 for s in sizes):
         raise UserError("--chunks: sizes must be multiples of 1024 between 1 KiB and 64 MiB")
     doc = run(backends, sizes, min_time_s, overlap, model)

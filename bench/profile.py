@@ -25,17 +25,12 @@ from typing import Annotated, Optional
 
 import typer
 
+from bench.options import int_list
 from engine.errors import UserError
 
 
 def _ints(text: str, flag: str) -> list[int]:
-    try:
-        xs = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise UserError(f"{flag} {text!r}: expected integers separated by commas") from None
-    if not xs or xs[0] < 1:
-        raise UserError(f"{flag}: values must be >= 1")
-    return xs
+    return sorted(set(int_list(text, flag)))
 
 
 def command(

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import typer
 
+from bench.options import int_list
+
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))   # (out, in): fused qkv, o, fused gate/up, down
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")   # of SHAPES
 ROWS = (1, 16, 512)
@@ -95,15 +97,7 @@ def linear_rows(methods: list[str], dtype) -> list[dict]:
 
 
 def _batch_sizes(text: str) -> tuple[int, ...]:
-    from engine.errors import UserError
-
-    try:
-        sizes = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        sizes = ()
-    if not sizes or min(sizes) < 1:
-        raise UserError(f"--batch-sizes: {text!r} is not a comma-separated list of positive integers")
-    return sizes
+    return tuple(int_list(text, "--batch-sizes"))
 
 
 def build_runners(model: str, methods: list[str], dtype, context: int, batches: tuple[int, ...]) -> dict:

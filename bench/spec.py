@@ -40,6 +40,8 @@ from pathlib import Path
 
 import typer
 
+from bench.options import int_list
+
 # pdserve serve's step budgets (deploy/runtime_options.py; bench/ may not import deploy/, which imports it)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 128
 DEFAULT_IDLE_MAX_NUM_BATCHED_TOKENS = 2048
@@ -112,7 +114,7 @@ def command(
     budget = max_num_batched_tokens
     cells = []
     for name in [d.strip() for d in datasets.split(",") if d.strip()]:
-        for conc in [int(c) for c in concurrency.split(",") if c.strip()]:
+        for conc in int_list(concurrency, "--concurrency", example="1,4,16"):
             n = max(num_prompts, conc)
             reqs = load_requests(DatasetConfig(name, num_prompts=n, max_tokens=max_tokens, input_len=input_len), tok)
             prompts = [_chat(tok, r.prompt) for r in reqs]
