@@ -68,17 +68,20 @@ def command(
     from engine.quantization import check_kv_cache_dtype
 
     kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
+    batches, ctxs, qlens = (int_list(batch_sizes, "--batch-sizes"), int_list(contexts, "--contexts"),
+                            int_list(query_lens, "--query-lens"))
+    lengths = int_list(prefill_lens, "--prefill-lens")
     torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
     names = [d.strip() for d in dtypes.split(",") if d.strip()]
     result = {"threads": torch.get_num_threads(), "load_before": os.getloadavg(),
               "cpu_capability": torch.backends.cpu.get_cpu_capability(), "op": [], "prefill": [], "step": []}
     for dtype in names:
-        for batch in int_list(batch_sizes, "--batch-sizes"):
-            for context in int_list(contexts, "--contexts"):
-                for qlen in int_list(query_lens, "--query-lens"):
+        for batch in batches:
+            for context in ctxs:
+                for qlen in qlens:
                     result["op"].append(_op(getattr(torch, dtype), batch, context, repeats, qlen))
     for dtype in names:
-        for length in int_list(prefill_lens, "--prefill-lens"):
+        for length in lengths:
             for start in (0, length):
                 result["prefill"].append(_prefill(getattr(torch, dtype), start, length, repeats))
     if step_batch:
@@ -90,8 +93,6 @@ def command(
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {json_out}")
-
-
 
 
 def _op(dtype, batch: int, context: int, repeats: int, qlen: int = 1) -> dict:

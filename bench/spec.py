@@ -88,6 +88,7 @@ def command(
         raise UserError(f"--dtype must be auto, float32 or bfloat16, got {dtype!r}")
     if max_num_batched_tokens < 1:
         raise UserError(f"--max-num-batched-tokens must be >= 1, got {max_num_batched_tokens}")
+    concurrencies = int_list(concurrency, "--concurrency", example="1,4,16")
     dtype = resolve_dtype_name(dtype)
     flags = from_flags(speculative_method, num_speculative_tokens, speculative_model, spec_ngram_max, spec_ngram_min,
                        speculative_quantization, speculative_draft_vocab_size)
@@ -114,7 +115,7 @@ def command(
     budget = max_num_batched_tokens
     cells = []
     for name in [d.strip() for d in datasets.split(",") if d.strip()]:
-        for conc in int_list(concurrency, "--concurrency", example="1,4,16"):
+        for conc in concurrencies:
             n = max(num_prompts, conc)
             reqs = load_requests(DatasetConfig(name, num_prompts=n, max_tokens=max_tokens, input_len=input_len), tok)
             prompts = [_chat(tok, r.prompt) for r in reqs]
