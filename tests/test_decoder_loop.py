@@ -26,8 +26,8 @@ def runner(request, model_path) -> ModelRunner:
         pytest.skip(f"the kernel library cannot be built here: {reason}")
     quantization, kv_cache_dtype, dtype = request.param
     # Every linear takes its quiet-machine kernel (linear.py's `preferred`: bf16 small_gemm /
-    # small_gemm / onednn_packed, int8 w8a8_vnni; fp32 has none: F.linear at 1 row, MKL's prepacked
-    # kernel above, so the test covers both): on a loaded host the load-time timing can pick
+    # small_gemm / onednn_packed, int8 w8a8_vnni or w8a8_avx2; fp32: F.linear at 1 row, MKL's
+    # prepacked kernel at 16, oneDNN's at 512, so the test covers the three): on a loaded host the load-time timing can pick
     # int8's dequant_dense at 16 rows, a kernel the C++ loop does not call (that bucket then runs
     # the Python loop, logged), and this test is about the fused path, not about that timing.
     with pytest.MonkeyPatch.context() as mp:
@@ -42,6 +42,9 @@ def runner(request, model_path) -> ModelRunner:
 
 
 def _preferred(kernels, in_features, dtype, device, rows, preferred=None, *args, **kw) -> str:
+    if dtype == torch.float32 and "mkl_packed" in kernels:   # fp32: every kind the loop calls, one a bucket
+        return "F.linear" if rows == linear.BUCKETS[0] else "mkl_packed" if rows == linear.BUCKETS[1] else \
+            "onednn_packed" if "onednn_packed" in kernels else "mkl_packed"
     if preferred in kernels:
         return preferred
     if rows > linear.BUCKETS[0] and "mkl_packed" in kernels:
