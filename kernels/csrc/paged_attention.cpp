@@ -63,7 +63,9 @@
 // x / scale, see kernels/torch_ref.py): the K scale is folded into the query, the V scale into the
 // final normalization, the bytes dequantized to fp32 in the kernel.
 //
-// AVX-512 where the compiler targets it (-march=native), head_dim in {32, 64, 128}; a portable
+// AVX-512 where the compiler targets it (-march=native), head_dim in {32, 64, 128}; AVX2 (8 lanes:
+// scores 8 keys at a time reduced by a hadd tree, the softmax's max/exp/sum, P V in register tiles
+// of 3 rows x 32 columns; fp32/bf16/fp16 caches) on CPUs without AVX-512; a portable
 // scalar path with the same algorithm elsewhere.
 // Only the headers the kernel needs (torch/extension.h takes ~15 s of the build to parse, these ~3 s);
 // registered as torch operators (no pybind): torch.ops.pdserve_attn.*.
@@ -94,6 +96,13 @@ namespace {
 #if defined(__AVX512F__)
 using pdserve_simd::exp_neg;
 using pdserve_simd::load16;
+#elif defined(__AVX2__) && defined(__FMA__)
+// CPUs with AVX2 but not AVX-512: scores, softmax and P V in 8-lane vectors (the portable loops
+// left the dot products scalar: gcc does not reorder a float sum), fp32 / bf16 / fp16 caches.
+#define PDSERVE_ATTN_AVX2 1
+using pdserve_simd::exp_neg8;
+using pdserve_simd::kLoad8;
+using pdserve_simd::load8;
 #endif
 
 // Tuning knobs (-D to measure variants): rows per KV head of one item (16 queries at G = 3); keys
@@ -140,6 +149,9 @@ inline void load_block(float* dst, const T* src, int64_t stride, int n, int d) {
     int i = 0;
 #if defined(__AVX512F__)
     for (; i + 16 <= d; i += 16) _mm512_storeu_ps(dst + t * d + i, load16(row + i));
+#elif PDSERVE_ATTN_AVX2
+    if constexpr (kLoad8<T>)
+      for (; i + 8 <= d; i += 8) _mm256_storeu_ps(dst + t * d + i, load8(row + i));
 #endif
     for (; i < d; ++i) dst[t * d + i] = to_f32(row[i]);
   }
@@ -335,6 +347,61 @@ inline void load_block_bf16(at::BFloat16* dst, const T* src, int64_t stride, int
 #endif
 }
 
+#if PDSERVE_ATTN_AVX2
+// Lane t of the result = the sum of the 8 lanes of a[t] (a hadd tree: 6 hadds, 2 permutes, 1 add).
+inline __m256 reduce8(const __m256* a) {
+  const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+
+// s[t] = q . k_t for t < n, k_t = kf + t * ld (fp32), head_dim = 8 NC: 8 keys at a time, q read
+// from L1 (8 accumulators and a q vector fit AVX2's 16 registers; q in registers would not).
+template <int NC>
+inline void scores_avx2(const float* q, const float* kf, int64_t ld, int n, float* s) {
+  for (int t0 = 0; t0 < n; t0 += 8) {
+    const int m = std::min(8, n - t0);
+    __m256 a[8];
+    for (int t = 0; t < 8; ++t) a[t] = _mm256_setzero_ps();
+    const float* k = kf + t0 * ld;
+    for (int c = 0; c < NC; ++c) {
+      const __m256 qc = _mm256_loadu_ps(q + 8 * c);
+      for (int t = 0; t < 8; ++t)
+        if (t < m) a[t] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + t * ld + 8 * c), a[t]);
+    }
+    const __m256 sums = reduce8(a);
+    if (m == 8) {
+      _mm256_storeu_ps(s + t0, sums);
+    } else {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, sums);
+      std::memcpy(s + t0, tmp, m * sizeof(float));
+    }
+  }
+}
+
+// acc[r][c0 ..] += sum_t p[r][t] v_t[c0 ..] for RB rows and 32 columns from c0 (4 vectors), t < n,
+// v_t = v + t * ld: RB x 4 accumulators in registers for the whole block (decode: RB = 3, the G
+// query heads of one KV head).
+template <int RB, typename V>
+inline void accumulate_rows_avx2(float* acc, int64_t acc_ld, const float* p, int64_t ps, const V* v, int64_t ld, int n) {
+  __m256 a[RB][4];
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < 4; ++j) a[r][j] = _mm256_loadu_ps(acc + r * acc_ld + 8 * j);
+  for (int t = 0; t < n; ++t) {
+    const V* vt = v + t * ld;
+    __m256 x[4];
+    for (int j = 0; j < 4; ++j) x[j] = load8(vt + 8 * j);
+    for (int r = 0; r < RB; ++r) {
+      const __m256 pr = _mm256_broadcast_ss(p + r * ps + t);
+      for (int j = 0; j < 4; ++j) a[r][j] = _mm256_fmadd_ps(pr, x[j], a[r][j]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(acc + r * acc_ld + 8 * j, a[r][j]);
+}
+#endif
+
 // s[t] = q . k_t for t < n (fp32 rows of length d, k_t = kf + t * ld).
 inline void scores(const float* q, const float* kf, int64_t ld, int n, int d, float* s) {
 #if defined(__AVX512F__)
@@ -342,6 +409,13 @@ inline void scores(const float* q, const float* kf, int64_t ld, int n, int d, fl
     case 64: return scores_f32<4>(q, kf, ld, n, s);
     case 128: return scores_f32<8>(q, kf, ld, n, s);
     case 32: return scores_f32<2>(q, kf, ld, n, s);
+    default: break;
+  }
+#elif PDSERVE_ATTN_AVX2
+  switch (d) {
+    case 64: return scores_avx2<8>(q, kf, ld, n, s);
+    case 128: return scores_avx2<16>(q, kf, ld, n, s);
+    case 32: return scores_avx2<4>(q, kf, ld, n, s);
     default: break;
   }
 #endif
@@ -381,6 +455,18 @@ inline void accumulate(float* acc, int rows, const float* p, int64_t ps, const V
     case 32: return tiles(std::integral_constant<int, 2>{}, std::integral_constant<int, 8>{});
     default: break;
   }
+#elif PDSERVE_ATTN_AVX2
+  if constexpr (kLoad8<V>) {
+    if (d % 32 == 0) {   // 3 rows x 32 columns a register tile (12 of the 16 registers accumulate)
+      for (int c0 = 0; c0 < d; c0 += 32) {
+        int r = 0;
+        for (; r + 3 <= rows; r += 3) accumulate_rows_avx2<3>(acc + r * d + c0, d, p + r * ps, ps, v + c0, ld, n);
+        if (rows - r == 2) accumulate_rows_avx2<2>(acc + r * d + c0, d, p + r * ps, ps, v + c0, ld, n);
+        if (rows - r == 1) accumulate_rows_avx2<1>(acc + r * d + c0, d, p + r * ps, ps, v + c0, ld, n);
+      }
+      return;
+    }
+  }
 #endif
   for (int r = 0; r < rows; ++r)
     for (int t = 0; t < n; ++t) {
@@ -403,6 +489,14 @@ inline bool softmax_row(float* s, int vis, int n, float& m, float& l, float* acc
   if (t < vis) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, tail_mask(vis - t), s + t));
   bmax = _mm512_reduce_max_ps(vmax);
   t = vis;
+#elif PDSERVE_ATTN_AVX2
+  if (vis >= 8) {
+    __m256 vmax = _mm256_set1_ps(kNegInf);
+    for (; t + 8 <= vis; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
+    for (float x : lanes) bmax = std::max(bmax, x);
+  }
 #endif
   for (; t < vis; ++t) bmax = std::max(bmax, s[t]);
   const float m_new = std::max(m, bmax);
@@ -419,6 +513,19 @@ inline bool softmax_row(float* s, int vis, int n, float& m, float& l, float* acc
     vs = _mm512_add_ps(vs, e);
   }
   sum = _mm512_reduce_add_ps(vs);
+#elif PDSERVE_ATTN_AVX2
+  if (vis >= 8) {
+    const __m256 vm = _mm256_set1_ps(m_new);
+    __m256 vs = _mm256_setzero_ps();
+    for (; t + 8 <= vis; t += 8) {
+      const __m256 e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+      _mm256_storeu_ps(s + t, e);
+      vs = _mm256_add_ps(vs, e);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vs);
+    for (float x : lanes) sum += x;
+  }
 #endif
   for (; t < vis; ++t) {
     s[t] = std::exp(s[t] - m_new);

@@ -1,10 +1,11 @@
-// AVX-512 helpers shared by the CPU kernels (paged_attention.cpp, layer_ops.cpp): fp32 loads of
-// 16 cache/activation elements and exp / exp2 for non-positive arguments. One copy, so a fix or a
+// SIMD helpers shared by the CPU kernels (paged_attention.cpp, layer_ops.cpp): fp32 loads of
+// 16 (AVX-512) or 8 (AVX2) cache/activation elements and exp / exp2 for non-positive arguments. One copy, so a fix or a
 // change of precision reaches every kernel; the build key (kernels/cpu_attention.py) hashes this
 // header with the sources.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -83,6 +84,46 @@ inline __m512 exp2_neg(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace pdserve_simd
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace pdserve_simd {
+
+// The AVX2 versions, for CPUs without AVX-512 (Zen 1/2, older Intel): 8 lanes.
+// 8 consecutive elements as fp32 (bf16 shifted into the high half, exact; fp16 through F16C).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// Whether load8 reads T (an FP8 cache takes the scalar path).
+template <typename T>
+constexpr bool kLoad8 = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
+
+// exp(x) for x <= 0, as exp_neg above (Cody-Waite reduction, degree-6 Taylor polynomial, relative
+// error ~2e-7; x below -87 gives ~0), 2^n built in the exponent field (n >= -126 there).
+inline __m256 exp_neg8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
 }
 
 }  // namespace pdserve_simd
