@@ -5,10 +5,13 @@
 //   out[m, n] = wscale[n] * sum_g sx[m, g] * sum_{k in g} xq[m, k] q[n, k]
 //   (sx[m, g] = amax |x[m, g*G .. g*G+G-1]| / 127, xq = round(x / sx), G = `group`)
 //
-// Why: on an AVX2 CPU (Zen 1, 2 cores, 2026-12-03) one core retires ~0.83 G 256-bit fp32 FMAs a
-// second (6.6 G MAC) but ~0.56 G of the four-instruction int8 step below (32 MACs: 18 G MAC), so
-// int8 weights are ~2.7x the fp32 product's arithmetic rate as well as a quarter of its bytes;
-// before this kernel Int8Linear there widened the weight to the model dtype on every call.
+// Why: on an AVX2 CPU without VNNI (Zen 1, 2 cores, 2026-12-03) the four-instruction step below
+// (32 MACs) retires ~0.57 G times a second per core, 18 G MAC/s; the fp32 GEMMs reach 31-39
+// GFLOP/s per core at 512 rows (oneDNN), 15-19 G MAC/s: about the same arithmetic rate. int8 wins
+// on bytes (a quarter of fp32's: batch 1 reads them) and on small batches, where this kernel keeps
+// ~87% of its rate at 16 rows (the linears of a b16 step: 68 ms for 2.16 G MAC) and oneDNN's fp32
+// kernel ~60% of its (114 ms). Before this kernel Int8Linear there widened the weight to the model
+// dtype on every call (20-40x slower than fp32).
 //
 // The step, per 8 output columns x 4 input channels (one 32-byte half of a tile line) and row:
 // AVX2 has no vpdpbusd, and vpmaddubsw multiplies unsigned by signed bytes into saturating int16
