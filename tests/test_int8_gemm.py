@@ -41,6 +41,15 @@ def kernel(request) -> tuple[str, torch.dtype]:
     return name, dtype
 
 
+@pytest.fixture(scope="module")
+def available() -> None:
+    """The VNNI kernels run here (w8a8_vnni, and test_int8_gemm_prefill's w8a8_vnni_large), else skip
+    with the reason; never skip on a CPU that has the ISA."""
+    if "w8a8_vnni" not in Int8Linear(torch.zeros(16, 32, dtype=torch.bfloat16), None)._candidates():
+        assert not {"avx512_vnni", "avx512_bf16"} <= cpu_flags(), "AVX512-BF16/VNNI CPU but the int8 kernel did not build"
+        pytest.skip("no AVX512-BF16 + AVX512-VNNI on this CPU: only the AVX2 kernel runs here")
+
+
 def bound(dtype: torch.dtype) -> float:
     return 2 ** -7 if dtype == torch.bfloat16 else 2 ** -16
 
@@ -136,11 +145,7 @@ def test_packing_layout_round_trip_and_one_copy_of_the_weight(kernel):
     assert float((a - b).abs().max() / b.abs().max()) < 2 ** -6
 
 
-def test_the_avx2_kernel_equals_the_vnni_kernel_bit_for_bit():
-    lin = Int8Linear(torch.zeros(16, 32, dtype=torch.bfloat16), None)
-    if "w8a8_vnni" not in lin._candidates():
-        assert not {"avx512_vnni", "avx512_bf16"} <= cpu_flags(), "AVX512-BF16/VNNI CPU but the int8 kernel did not build"
-        pytest.skip("no AVX512-BF16 + AVX512-VNNI on this CPU: only the AVX2 kernel runs here")
+def test_the_avx2_kernel_equals_the_vnni_kernel_bit_for_bit(available):
     gen = torch.Generator().manual_seed(7)
     for n, k, group in [(1000, 576, 32), (200, 1536, 32), (49, 576, 576)]:
         lin = Int8Linear(torch.randn(n, k, generator=gen).bfloat16(), None, group=group)
