@@ -419,24 +419,22 @@ def unpack_int8_gemm(packed: torch.Tensor, n: int) -> torch.Tensor:
     return (packed.permute(0, 2, 1, 3).reshape(tiles * 16, 4 * k4)[:n].to(torch.int16) - 128).to(torch.int8)
 
 
-def _int8_gemm_available(dtype: torch.dtype, device: torch.device, in_features: int) -> bool:
-    """Whether kernels/csrc/int8_gemm.cpp runs here: bf16 activations on a CPU whose kernel
-    library built with AVX512-BF16 and AVX512-VNNI, K a multiple of ACT_GROUP."""
-    if dtype != torch.bfloat16 or device.type != "cpu" or in_features % ACT_GROUP:
+# The INT8 kernel libraries and the activation dtypes each takes: kernels/csrc/int8_gemm.cpp (and
+# int8_gemm_prefill.cpp), built where the CPU has AVX512-BF16 and AVX512-VNNI; int8_gemm_avx2.cpp,
+# built on any x86 CPU with AVX2 and FMA (every AVX-512 CPU too).
+_INT8_LIBRARIES = {"vnni": ("pdserve_int8", (torch.bfloat16,)),
+                   "avx2": ("pdserve_int8_avx2", (torch.float32, torch.bfloat16))}
+
+
+def _int8_kernel_available(isa: str, dtype: torch.dtype, device: torch.device, in_features: int) -> bool:
+    """Whether the INT8 kernel library ``isa`` ("vnni" or "avx2") runs here for ``dtype``
+    activations on ``device``: a CPU, the library built with its ISA, K a multiple of ACT_GROUP."""
+    library, dtypes = _INT8_LIBRARIES[isa]
+    if dtype not in dtypes or device.type != "cpu" or in_features % ACT_GROUP:
         return False
     from kernels.cpu_attention import load_extension
 
-    return load_extension()[0] is not None and torch.ops.pdserve_int8.available()
-
-
-def _int8_avx2_available(dtype: torch.dtype, device: torch.device, in_features: int) -> bool:
-    """Whether kernels/csrc/int8_gemm_avx2.cpp runs here: fp32 or bf16 activations on an x86 CPU
-    with AVX2 and FMA (every AVX-512 CPU too), K a multiple of ACT_GROUP."""
-    if dtype not in (torch.float32, torch.bfloat16) or device.type != "cpu" or in_features % ACT_GROUP:
-        return False
-    from kernels.cpu_attention import load_extension
-
-    return load_extension()[0] is not None and torch.ops.pdserve_int8_avx2.available()
+    return load_extension()[0] is not None and getattr(torch.ops, library).available()
 
 
 class Int8Linear(MeasuredLinear):
@@ -451,9 +449,9 @@ class Int8Linear(MeasuredLinear):
     4 rows x 48 columns in registers for many rows), ``w8a8_avx2`` (kernels/csrc/int8_gemm_avx2.cpp,
     fp32 or bf16 on any AVX2 CPU: the same tiles and, for bf16, the same result bit for bit; on
     Zen 1, fp32 model, 2 threads: the decode step 2.8x faster than fp32 at batch 1, 1.47x at 16,
-    1.1x at 32, fp32 through oneDNN) and
-    ``dequant_dense`` (the reference and the path elsewhere: the activations quantized and dequantized, the weight widened to the model
-    dtype, the dense GEMM, the weight scales). They compute the same quantized products; the
+    1.1x at 32, fp32 through oneDNN) and ``dequant_dense`` (the reference and the path elsewhere:
+    the activations quantized and dequantized, the weight widened to the model dtype, the dense
+    GEMM, the weight scales). They compute the same quantized products; the
     dense one rounds the dequantized activations to the model dtype. The weight is held once: in
     the C++ kernel's tiles where it runs, else as [N, K].
 
@@ -503,10 +501,9 @@ class Int8Linear(MeasuredLinear):
             raise ValueError(f"activation group {self.group} must divide in_features {self.in_features} "
                              f"and be a multiple of {ACT_GROUP} (or in_features itself)")
         q, scale = quantize_int8_per_channel(weight)
-        vnni = _int8_gemm_available(self.dtype, q.device, self.in_features)
-        avx2 = _int8_avx2_available(self.dtype, q.device, self.in_features)
-        self.tiled = vnni or avx2   # both kernels read the same packed tiles
-        self._kernel_isas = ("vnni",) * vnni + ("avx2",) * avx2
+        self._vnni = _int8_kernel_available("vnni", self.dtype, q.device, self.in_features)
+        self._avx2 = _int8_kernel_available("avx2", self.dtype, q.device, self.in_features)
+        self.tiled = self._vnni or self._avx2   # both kernels read the same packed tiles
         if self.tiled:
             packed = pack_int8_gemm(q)
             padded = torch.zeros(packed.shape[0] * 16, dtype=torch.float32, device=q.device)
@@ -522,8 +519,8 @@ class Int8Linear(MeasuredLinear):
         # offered at 512 rows only: it never won a decode bucket on a quiet machine, but a timing on
         # a loaded host picked it for 16 rows (~2 ms a step lost, and that bucket off the fused loop).
         # Where only AVX2 runs (Zen 1), w8a8_avx2 at every bucket, dequant_dense timed at 512 only.
-        preferred = (("w8a8_vnni", "w8a8_vnni", "w8a8_vnni_large") if vnni
-                     else ("w8a8_avx2",) * 3 if avx2 else None)
+        preferred = (("w8a8_vnni", "w8a8_vnni", "w8a8_vnni_large") if self._vnni
+                     else ("w8a8_avx2",) * 3 if self._avx2 else None)
         self._choose(self._candidates(), self.dtype, q.device, preferred, decode_only,
                      prefill_only=("w8a8_vnni_large", "dequant_dense") if self.tiled else ("w8a8_vnni_large",))
 
@@ -542,11 +539,11 @@ class Int8Linear(MeasuredLinear):
 
         kernels: dict[str, Kernel] = {"dequant_dense": dequant_dense}
         q, scale = self.qweight, self.weight_scale
-        if "vnni" in self._kernel_isas:
+        if self._vnni:
             op, large = torch.ops.pdserve_int8.w8a8_gemm, torch.ops.pdserve_int8p.w8a8_gemm_large
             kernels["w8a8_vnni"] = lambda x: op(x, q, scale, n, group)
             kernels["w8a8_vnni_large"] = lambda x: large(x, q, scale, n, group)
-        if "avx2" in self._kernel_isas:
+        if self._avx2:
             avx2 = torch.ops.pdserve_int8_avx2.w8a8_gemm
             kernels["w8a8_avx2"] = lambda x: avx2(x, q, scale, n, group)
         return kernels

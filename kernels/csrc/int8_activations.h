@@ -1,7 +1,9 @@
 // The activation side shared by the two W8A8 INT8 kernels (int8_gemm.cpp's w8a8_gemm, for decode,
 // and int8_gemm_prefill.cpp's w8a8_gemm_large, for prefill): their argument checks and the one
 // per-token, per-group activation quantization. One copy, so prefill and decode quantize alike and
-// the two kernels' outputs stay equal bit for bit (tests/test_int8_gemm_prefill.py).
+// the two kernels' outputs stay equal bit for bit (tests/test_int8_gemm_prefill.py). The AVX2
+// kernel (int8_gemm_avx2.cpp) shares the weight checks (check_weight); its activation quantization
+// is the same arithmetic in 8-lane AVX2 (tests/test_int8_gemm.py checks the two kernels agree).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -15,22 +17,28 @@
 
 namespace pdserve_int8 {
 
-// x [M, K] bf16 with contiguous rows (copied so if they are not), after checking the kernels'
-// arguments: packed uint8 [N/16, K/4, 16, 4] (kernels/linear.py pack_int8_gemm), wscale fp32
-// [16 * tiles], n in the last tile, group a multiple of 32 dividing K.
-inline at::Tensor checked_input(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& wscale, int64_t n,
-                                int64_t group) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be bf16 [M, K]");
-  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+// The packed-weight arguments every INT8 kernel takes (these two and int8_gemm_avx2.cpp), for
+// activations of k columns: packed uint8 [N/16, K/4, 16, 4] (kernels/linear.py pack_int8_gemm),
+// wscale fp32 [16 * tiles], n in the last tile, group a multiple of 32 dividing K.
+inline void check_weight(int64_t k, const at::Tensor& packed, const at::Tensor& wscale, int64_t n, int64_t group) {
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 4 && packed.is_contiguous() &&
                   packed.scalar_type() == at::kByte, "packed must be a contiguous uint8 [N/16, K/4, 16, 4]");
-  const int64_t k = x.size(1), tiles = packed.size(0);
+  const int64_t tiles = packed.size(0);
   TORCH_CHECK(k == 4 * packed.size(1), "x has ", k, " columns, the packed weight ", 4 * packed.size(1));
   TORCH_CHECK(group > 0 && group % 32 == 0 && k % group == 0, "group must be a multiple of 32 dividing K = ", k,
               ", got ", group);
   TORCH_CHECK(n > 16 * (tiles - 1) && n <= 16 * tiles, "n does not match the packed weight's tiles");
   TORCH_CHECK(wscale.dim() == 1 && wscale.size(0) == 16 * tiles && wscale.is_contiguous() &&
                   wscale.scalar_type() == at::kFloat, "wscale must be a contiguous fp32 [16 * tiles]");
+}
+
+// x [M, K] bf16 with contiguous rows (copied so if they are not), after checking the kernels'
+// arguments (check_weight).
+inline at::Tensor checked_input(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& wscale, int64_t n,
+                                int64_t group) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be bf16 [M, K]");
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  check_weight(x.size(1), packed, wscale, n, group);
   return x;
 }
 

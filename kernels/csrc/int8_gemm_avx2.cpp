@@ -47,6 +47,8 @@
 #include <utility>
 #include <vector>
 
+#include "int8_activations.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #define PDSERVE_INT8_AVX2 1
 #include <immintrin.h>
@@ -250,15 +252,7 @@ at::Tensor w8a8_gemm(const at::Tensor& x_in, const at::Tensor& packed, const at:
   TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
               "x must be fp32 or bf16 [M, K]");
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 4 && packed.is_contiguous() &&
-                  packed.scalar_type() == at::kByte, "packed must be a contiguous uint8 [N/16, K/4, 16, 4]");
-  const int64_t k = x.size(1), tiles = packed.size(0);
-  TORCH_CHECK(k == 4 * packed.size(1), "x has ", k, " columns, the packed weight ", 4 * packed.size(1));
-  TORCH_CHECK(group > 0 && group % 32 == 0 && k % group == 0, "group must be a multiple of 32 dividing K = ", k,
-              ", got ", group);
-  TORCH_CHECK(n > 16 * (tiles - 1) && n <= 16 * tiles, "n does not match the packed weight's tiles");
-  TORCH_CHECK(wscale.dim() == 1 && wscale.size(0) == 16 * tiles && wscale.is_contiguous() &&
-                  wscale.scalar_type() == at::kFloat, "wscale must be a contiguous fp32 [16 * tiles]");
+  pdserve_int8::check_weight(x.size(1), packed, wscale, n, group);
   at::Tensor out = at::empty({x.size(0), n}, x.options());
 #if PDSERVE_INT8_AVX2
   if (x.size(0) == 0) return out;
