@@ -32,7 +32,7 @@ from kernels.linear import BUCKETS, MeasuredLinear, bucket_index
 log = logging.getLogger(__name__)
 
 KINDS = {"small_gemm": 0, "w8a8_vnni": 1, "F.linear": 2, "onednn_packed": 3, "w8a8_vnni_large": 4, "mkl_packed": 5,
-         "w8a8_avx2": 6}
+         "w8a8_avx2": 6, "amx_gemm": 7}
 """kernels/linear.py kernel name -> the C++ loop's LinearKind (csrc/decoder_loop.cpp)."""
 
 _EMPTY = torch.empty(0)   # a placeholder for an absent tensor (Tensor[] cannot hold None)
@@ -46,8 +46,8 @@ def linear_operands(linear: nn.Module, bucket: int) -> tuple[list[torch.Tensor],
     name = linear.kernel_names[bucket]
     if name not in KINDS:
         return f"kernel {name} ({linear.method} {linear.out_features}x{linear.in_features})"
-    if name == "small_gemm":
-        a, b = linear._packed["small_gemm"], _EMPTY
+    if name in ("small_gemm", "amx_gemm"):   # (one packed weight, two kernels)
+        a, b = linear._packed[name], _EMPTY
     elif name == "onednn_packed":
         a, b = linear._packed["onednn_packed"], _EMPTY
     elif name == "F.linear":

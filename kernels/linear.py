@@ -13,8 +13,9 @@ threads), so 30 layers of one shape are measured once; ``kernel_summary`` names 
   the weight prepacked once (``torch.ops.mkldnn._linear_pointwise``, bf16/fp16/fp32); MKL prepacked
   (``torch.ops.mkl._mkl_linear``, fp32); for bf16 on CPUs with AVX512-BF16, our kernel
   (kernels/csrc/small_gemm.cpp, weight packed into 16-column tiles), which overlaps the stream of
-  weights that are not in cache with compute, where oneDNN adds the two (1-64 rows). Only the
-  chosen kernels' weight copies are kept.
+  weights that are not in cache with compute, where oneDNN adds the two (1-64 rows); and on CPUs
+  with AMX-BF16 our AMX-tile kernel on the same packed weight (kernels/csrc/small_gemm_amx.cpp,
+  5-128 rows). Only the chosen kernels' weight copies are kept.
 - ``Int8Linear`` (``int8``): per-output-channel symmetric int8 weights, ``q = round(W / s)``,
   ``s = amax(|W_row|) / 127``, activations quantized dynamically per token and group of
   ``ACT_GROUP`` channels (or a wider group per linear: engine/quantization/apply.py). Kernels:
@@ -263,10 +264,13 @@ class DenseLinear(MeasuredLinear):
         # prepacked kernel on gate_up (1.07 vs 1.84 ms) and 2.6x on the LM head (13.8 vs 36.0), and
         # 1.1x at 512 rows; at 1 row within 1.25x of the best (F.linear or MKL) on the decoder's
         # shapes, and preferring it there too keeps one copy of each weight, not two.
+        # AMX-BF16 (Sapphire Rapids, 2 threads, weights cold): our AMX kernel at 16 rows 1.4-2.3x
+        # oneDNN's and 1.3-3x small_gemm's (gate_up 117-141 us against 196 and 318; LM head 1.65-1.94 ms
+        # against 2.41 and 4.45); at 1 row small_gemm stays fastest, at 512 rows oneDNN (749 against 1126 us).
         preferred = None
         if "onednn_packed" in kernels:
             small = "small_gemm" if "small_gemm" in kernels else "onednn_packed"
-            preferred = (small, small, "onednn_packed")
+            preferred = (small, "amx_gemm" if "amx_gemm" in kernels else small, "onednn_packed")
         self._choose(kernels, weight.dtype, weight.device, preferred, decode_only)
         self._packed = {name: t for name, t in self._packed.items() if name in self.kernel_names}
         reads_plain = {"F.linear", "mkl_packed"} & set(self.kernel_names)   # (MKL's fp32 kernel takes both)
@@ -295,6 +299,10 @@ class DenseLinear(MeasuredLinear):
         if small is not None:
             kernels["small_gemm"] = small
             packed_copies["small_gemm"] = small.packed
+            amx = _amx_gemm_kernel(small.packed, w.shape)
+            if amx is not None:   # (the same packed tensor: one copy for both kernels)
+                kernels["amx_gemm"] = amx
+                packed_copies["amx_gemm"] = small.packed
         if w.dtype == torch.float32 and torch.backends.mkl.is_available():
             try:
                 packed32 = torch.ops.mkl._mkl_reorder_linear_weight(w, 1)
@@ -310,8 +318,9 @@ class DenseLinear(MeasuredLinear):
         """[N, K] in the model dtype: the plain weight, or one unpacked from a kept copy."""
         if self.weight is not None:
             return self.weight
-        if "small_gemm" in self._packed:
-            return unpack_small_gemm(self._packed["small_gemm"], self.out_features)
+        for name in ("small_gemm", "amx_gemm"):
+            if name in self._packed:
+                return unpack_small_gemm(self._packed[name], self.out_features)
         if "onednn_packed" in self._packed:
             return self._packed["onednn_packed"].to_dense()
         raise RuntimeError("DenseLinear keeps no copy of its weight")   # unreachable: some kernel was chosen
@@ -324,7 +333,8 @@ class DenseLinear(MeasuredLinear):
     def resident_bytes(self) -> int:
         """Bytes this linear's kept weight copies occupy (the plain weight and packed copies)."""
         plain = 0 if self.weight is None else self.weight.numel() * self.weight.element_size()
-        return plain + sum(t.numel() * t.element_size() for t in self._packed.values())
+        copies = {t.data_ptr(): t for t in self._packed.values()}   # (small_gemm and amx_gemm share one)
+        return plain + sum(t.numel() * t.element_size() for t in copies.values())
 
 
 def pack_small_gemm(weight: torch.Tensor) -> torch.Tensor:
@@ -364,6 +374,25 @@ def _small_gemm_kernel(w: torch.Tensor) -> Kernel | None:
 
     small.packed = packed  # type: ignore[attr-defined]
     return small
+
+
+def _amx_gemm_kernel(packed: torch.Tensor, shape: torch.Size) -> Kernel | None:
+    """The AMX-BF16 kernel of kernels/csrc/small_gemm_amx.cpp reading ``packed`` (pack_small_gemm's
+    layout, which is AMX's B layout) for a weight of ``shape`` [N, K]; written for 5-128 rows. None
+    where it does not apply: K not a multiple of 32 (one tile's k depth), a kernel library built
+    without AMX-BF16, or an OS that does not grant this process AMX state."""
+    n, k = shape
+    if k % 32 or not torch.ops.pdserve_amx.available():
+        return None
+    op = torch.ops.pdserve_amx.small_gemm_bf16_amx
+
+    def amx(x: torch.Tensor) -> torch.Tensor:
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        op(out, x, packed, n)
+        return out
+
+    return amx
 
 
 # -- int8 -----------------------------------------------------------------------------------------

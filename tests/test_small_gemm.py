@@ -92,3 +92,73 @@ def test_dense_linear_keeps_only_the_chosen_copies(available):
     for name in lin.kernel_choices:   # an unchosen kernel is rebuilt for the call, and not kept
         assert torch.allclose(lin.run_kernel(name, x).float(), x.float() @ w.float().T, rtol=2 ** -7, atol=1e-2)
     assert lin.resident_bytes() == kept
+
+
+# -- the AMX-BF16 kernel (kernels/csrc/small_gemm_amx.cpp) on the same packed weight ----------------
+@pytest.fixture(scope="module")
+def amx(available) -> None:
+    from engine.platform import cpu_flags
+
+    if not torch.ops.pdserve_amx.available():
+        # Only a CPU (or an OS) without AMX-BF16 has no kernel; never skip on one that has it.
+        assert not {"amx_bf16", "amx_tile"} <= cpu_flags(), "AMX-BF16 CPU but the AMX kernel is not available"
+        pytest.skip("no AMX-BF16 on this CPU")
+
+
+def _amx(w: torch.Tensor):
+    from kernels.linear import _amx_gemm_kernel
+
+    return _amx_gemm_kernel(pack_small_gemm(w), w.shape)
+
+
+@pytest.mark.parametrize("n,k", [(200, 96), (16, 32), (1000, 576), (72, 1536)])
+def test_amx_every_row_count_matches_the_fp32_product(amx, n, k):
+    """1-16 rows: one pass; 17-130: passes of equal size, ragged counts through the zero-padded copy;
+    N 200 and 72: a partial 16-column tile and a partial 4-tile unit."""
+    gen = torch.Generator().manual_seed(n)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    kernel = _amx(w)
+    wide = torch.randn(130, k + 32, generator=gen).bfloat16()
+    for m in [*range(1, 34), 47, 64, 100, 128, 130]:
+        x = wide[:m, :k]                                 # rows of stride k + 32
+        got = kernel(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        assert rel(got, x.float() @ w.float().T) < 2 ** -7, (m, rel(got, x.float() @ w.float().T))
+
+
+def test_amx_two_threads_give_the_same_result(amx):
+    w = torch.randn(3072, 576).bfloat16()
+    kernel = _amx(w)
+    threads = torch.get_num_threads()
+    for m in (5, 16, 40):
+        x = torch.randn(m, 576).bfloat16()
+        try:
+            torch.set_num_threads(1)
+            one = kernel(x)
+            torch.set_num_threads(2)
+            two = kernel(x)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(one, two), m
+
+
+def test_amx_applies_only_to_a_k_of_whole_tiles(amx):
+    """K must be a multiple of 32 (one tile's k depth): the kernel is not offered otherwise, and the
+    op refuses such a weight with a message saying so."""
+    w = torch.randn(64, 48).bfloat16()
+    assert _amx(w) is None
+    out = torch.empty(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.pdserve_amx.small_gemm_bf16_amx(out, torch.randn(4, 48).bfloat16(), pack_small_gemm(w), 64)
+
+
+def test_dense_linear_shares_one_packed_copy_between_small_gemm_and_amx(amx):
+    w = torch.randn(96, 64).bfloat16()
+    lin = DenseLinear(w, None)
+    assert "amx_gemm" in lin.kernel_choices
+    x = torch.randn(16, 64).bfloat16()
+    assert rel(lin.run_kernel("amx_gemm", x), x.float() @ w.float().T) < 2 ** -7
+    if {"small_gemm", "amx_gemm"} <= set(lin._packed):
+        assert lin._packed["small_gemm"] is lin._packed["amx_gemm"]
+        assert lin.resident_bytes() == lin._packed["amx_gemm"].numel() * 2 + (0 if lin.weight is None else w.numel() * 2) \
+            + (lin._packed["onednn_packed"].numel() * 2 if "onednn_packed" in lin._packed else 0)

@@ -10,7 +10,7 @@
 // them is gone (one Python -> C++ crossing a forward instead of ~300).
 //
 // Every kernel is called through c10's dispatcher with a typed handle looked up once (the ops of
-// layer_ops.cpp, kv_cache_write.cpp, paged_attention.cpp, small_gemm.cpp, int8_gemm.cpp,
+// layer_ops.cpp, kv_cache_write.cpp, paged_attention.cpp, small_gemm.cpp, small_gemm_amx.cpp, int8_gemm.cpp,
 // int8_gemm_prefill.cpp, int8_gemm_avx2.cpp and aten's linear; oneDNN's and MKL's prepacked
 // linears boxed, as their schemas have no fixed C++ signature here), so this file depends on
 // those ops' schemas only, never on their code. Which kernel each linear runs
@@ -38,7 +38,7 @@
 namespace {
 
 enum LinearKind : int64_t { kSmallGemm = 0, kW8A8 = 1, kDense = 2, kOneDnnPacked = 3, kW8A8Large = 4, kMklPacked = 5,
-                   kW8A8Avx2 = 6 };
+                   kW8A8Avx2 = 6, kAmxGemm = 7 };
 constexpr int64_t kLinears = 4;                 // qkv, o, gate_up, down
 constexpr int64_t kTensorsPerLayer = 4 + 3 * kLinears;
 constexpr int64_t kDescPerLinear = 4;
@@ -79,11 +79,17 @@ const Ops& ops() {
   return o;
 }
 
-// The kernels that need only their schema at first use (a CPU without AVX512-BF16/VNNI never
+// The kernels that need only their schema at first use (a CPU without AVX512-BF16/VNNI/AMX never
 // picks them, and the int8/bf16 GEMM libraries always register, so the lookups cannot fail).
 const c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>& small_gemm() {
   static const auto h =
       find("pdserve_gemm::small_gemm_bf16").typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
+  return h;
+}
+
+const c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>& amx_gemm() {
+  static const auto h = find("pdserve_amx::small_gemm_bf16_amx")   // small_gemm_amx.cpp: small_gemm's schema
+                            .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
   return h;
 }
 
@@ -127,6 +133,12 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor* t, const int64_t* d)
       const at::Tensor x = x_in.stride(-1) == 1 ? x_in : x_in.contiguous();
       y = at::empty({x.size(0), n}, x.options());
       small_gemm().call(y, x, t[0], n);
+      break;
+    }
+    case kAmxGemm: {
+      const at::Tensor x = x_in.stride(-1) == 1 ? x_in : x_in.contiguous();
+      y = at::empty({x.size(0), n}, x.options());
+      amx_gemm().call(y, x, t[0], n);
       break;
     }
     case kW8A8:
