@@ -31,9 +31,9 @@
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
 #define PDSERVE_AMX 1
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
+
+#include "amx_tiles.h"
 
 namespace {
 
@@ -44,23 +44,8 @@ constexpr int kNT = 4;         // column tiles per unit: C tiles 0-3
 // in 1.65-1.8 ms against 1.9 ms at 1 and 3, down in 62-90 us against 88 at 1.
 constexpr int64_t kPrefetchUnits = 2;
 
-// Linux hands out AMX's 8 KB of tile state only to a process that asks for it (arch_prctl
-// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, Linux 5.16+); a tile instruction without it is a SIGILL.
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {   // the 64-byte operand of LDTILECFG, palette 1
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};   // bytes per row of tile i
-  uint8_t rows[16] = {};
-};
+using pdserve_amx::amx_permitted;
+using pdserve_amx::TileConfig;
 
 // C tiles 0-3 and the A tile 4: `rows` rows of 64 bytes; B tiles 5-7: 16 k pairs of 64 bytes.
 void configure_tiles(int rows) {
