@@ -32,7 +32,8 @@ from kernels.linear import BUCKETS, MeasuredLinear, bucket_index
 log = logging.getLogger(__name__)
 
 KINDS = {"small_gemm": 0, "w8a8_vnni": 1, "F.linear": 2, "onednn_packed": 3, "w8a8_vnni_large": 4, "mkl_packed": 5,
-         "w8a8_avx2": 6, "amx_gemm": 7}
+         "w8a8_avx2": 6, "amx_gemm": 7,
+         "w8a8_amx": 8}
 """kernels/linear.py kernel name -> the C++ loop's LinearKind (csrc/decoder_loop.cpp)."""
 
 _EMPTY = torch.empty(0)   # a placeholder for an absent tensor (Tensor[] cannot hold None)
@@ -54,7 +55,7 @@ def linear_operands(linear: nn.Module, bucket: int) -> tuple[list[torch.Tensor],
         a, b = linear.weight, _EMPTY
     elif name == "mkl_packed":   # (MKL's fp32 kernel reads the plain weight too)
         a, b = linear._packed["mkl_packed"], linear.weight
-    else:   # w8a8_vnni, w8a8_vnni_large, w8a8_avx2 (the same operands)
+    else:   # w8a8_vnni, w8a8_vnni_large, w8a8_amx, w8a8_avx2 (the same operands)
         a, b = linear.qweight, linear.weight_scale
     bias = linear.bias
     desc = [KINDS[name], linear.out_features, getattr(linear, "group", 0), int(bias is not None)]

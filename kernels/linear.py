@@ -20,7 +20,7 @@ threads), so 30 layers of one shape are measured once; ``kernel_summary`` names 
   ``s = amax(|W_row|) / 127``, activations quantized dynamically per token and group of
   ``ACT_GROUP`` channels (or a wider group per linear: engine/quantization/apply.py). Kernels:
   ours for bf16 on CPUs with AVX512-VNNI (kernels/csrc/int8_gemm.cpp, vpdpbusd on the int8 weight
-  tiles), ours for fp32 or bf16 on any AVX2 CPU (kernels/csrc/int8_gemm_avx2.cpp, vpmaddubsw on
+  tiles; kernels/csrc/int8_gemm_amx.cpp, AMX tiles on the same weight, where the CPU has AMX-INT8), ours for fp32 or bf16 on any AVX2 CPU (kernels/csrc/int8_gemm_avx2.cpp, vpmaddubsw on
   the same tiles), and the dense GEMM on the dequantized operands (elsewhere).
 - ``Fp8Linear`` (``fp8``): E4M3 weights with per-output-channel scales ``s = amax(|W_row|) / 448``
   (or a checkpoint's ``weight_scale``), activations quantized dynamically per token to E4M3 (W8A8).
@@ -449,14 +449,16 @@ def unpack_int8_gemm(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 # The INT8 kernel libraries and the activation dtypes each takes: kernels/csrc/int8_gemm.cpp (and
-# int8_gemm_prefill.cpp), built where the CPU has AVX512-BF16 and AVX512-VNNI; int8_gemm_avx2.cpp,
-# built on any x86 CPU with AVX2 and FMA (every AVX-512 CPU too).
+# int8_gemm_prefill.cpp), built where the CPU has AVX512-BF16 and AVX512-VNNI; int8_gemm_amx.cpp,
+# where it has AMX-INT8 too (and the OS grants AMX state); int8_gemm_avx2.cpp, built on any x86 CPU
+# with AVX2 and FMA (every AVX-512 CPU too).
 _INT8_LIBRARIES = {"vnni": ("pdserve_int8", (torch.bfloat16,)),
+                   "amx": ("pdserve_int8_amx", (torch.bfloat16,)),
                    "avx2": ("pdserve_int8_avx2", (torch.float32, torch.bfloat16))}
 
 
 def _int8_kernel_available(isa: str, dtype: torch.dtype, device: torch.device, in_features: int) -> bool:
-    """Whether the INT8 kernel library ``isa`` ("vnni" or "avx2") runs here for ``dtype``
+    """Whether the INT8 kernel library ``isa`` ("vnni", "amx" or "avx2") runs here for ``dtype``
     activations on ``device``: a CPU, the library built with its ISA, K a multiple of ACT_GROUP."""
     library, dtypes = _INT8_LIBRARIES[isa]
     if dtype not in dtypes or device.type != "cpu" or in_features % ACT_GROUP:
@@ -475,7 +477,9 @@ class Int8Linear(MeasuredLinear):
     AVX512-VNNI: the activations quantized in the call, the int8 weight streamed once through
     vpdpbusd, int32 sums per group, fp32 across groups), ``w8a8_vnni_large`` (prefill bucket only:
     kernels/csrc/int8_gemm_prefill.cpp, the same tiles and the same result bit for bit, blocked
-    4 rows x 48 columns in registers for many rows), ``w8a8_avx2`` (kernels/csrc/int8_gemm_avx2.cpp,
+    4 rows x 48 columns in registers for many rows), ``w8a8_amx`` (kernels/csrc/int8_gemm_amx.cpp,
+    CPUs with AMX-INT8: the same tiles through TDPBSUD, the same result bit for bit, for 5-128
+    rows), ``w8a8_avx2`` (kernels/csrc/int8_gemm_avx2.cpp,
     fp32 or bf16 on any AVX2 CPU: the same tiles and, for bf16, the same result bit for bit; on
     Zen 1, fp32 model, 2 threads: the decode step 2.8x faster than fp32 at batch 1, 1.47x at 16,
     1.1x at 32, fp32 through oneDNN) and ``dequant_dense`` (the reference and the path elsewhere:
@@ -531,6 +535,7 @@ class Int8Linear(MeasuredLinear):
                              f"and be a multiple of {ACT_GROUP} (or in_features itself)")
         q, scale = quantize_int8_per_channel(weight)
         self._vnni = _int8_kernel_available("vnni", self.dtype, q.device, self.in_features)
+        self._amx = self._vnni and _int8_kernel_available("amx", self.dtype, q.device, self.in_features)
         self._avx2 = _int8_kernel_available("avx2", self.dtype, q.device, self.in_features)
         self.tiled = self._vnni or self._avx2   # both kernels read the same packed tiles
         if self.tiled:
@@ -548,7 +553,8 @@ class Int8Linear(MeasuredLinear):
         # offered at 512 rows only: it never won a decode bucket on a quiet machine, but a timing on
         # a loaded host picked it for 16 rows (~2 ms a step lost, and that bucket off the fused loop).
         # Where only AVX2 runs (Zen 1), w8a8_avx2 at every bucket, dequant_dense timed at 512 only.
-        preferred = (("w8a8_vnni", "w8a8_vnni", "w8a8_vnni_large") if self._vnni
+        # With AMX-INT8 (Sapphire Rapids), w8a8_amx at 16 rows.
+        preferred = (("w8a8_vnni", "w8a8_amx" if self._amx else "w8a8_vnni", "w8a8_vnni_large") if self._vnni
                      else ("w8a8_avx2",) * 3 if self._avx2 else None)
         self._choose(self._candidates(), self.dtype, q.device, preferred, decode_only,
                      prefill_only=("w8a8_vnni_large", "dequant_dense") if self.tiled else ("w8a8_vnni_large",))
@@ -572,6 +578,9 @@ class Int8Linear(MeasuredLinear):
             op, large = torch.ops.pdserve_int8.w8a8_gemm, torch.ops.pdserve_int8p.w8a8_gemm_large
             kernels["w8a8_vnni"] = lambda x: op(x, q, scale, n, group)
             kernels["w8a8_vnni_large"] = lambda x: large(x, q, scale, n, group)
+        if self._amx:
+            amx = torch.ops.pdserve_int8_amx.w8a8_gemm
+            kernels["w8a8_amx"] = lambda x: amx(x, q, scale, n, group)
         if self._avx2:
             avx2 = torch.ops.pdserve_int8_avx2.w8a8_gemm
             kernels["w8a8_avx2"] = lambda x: avx2(x, q, scale, n, group)

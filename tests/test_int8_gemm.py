@@ -1,5 +1,6 @@
 """The INT8 kernels (kernels/csrc/int8_gemm.cpp, Int8Linear's ``w8a8_vnni``, bf16 on CPUs with
-AVX512-VNNI; kernels/csrc/int8_gemm_avx2.cpp, ``w8a8_avx2``, fp32 or bf16 on any AVX2 CPU) against
+AVX512-VNNI; kernels/csrc/int8_gemm_amx.cpp, ``w8a8_amx``, bf16 on CPUs with AMX-INT8;
+kernels/csrc/int8_gemm_avx2.cpp, ``w8a8_avx2``, fp32 or bf16 on any AVX2 CPU) against
 an fp32 product of the same quantized activations, int8 weights and scales, and against each other.
 
 The reference quantizes the activations per token and group of 32 channels in torch
@@ -10,10 +11,11 @@ quantization multiplies by 1/scale where the reference divides: a value exactly 
 may round the other way, one level in a group, far inside that bound.) Shapes cover every row count
 the kernels specialize (1-16 in one pass of the VNNI kernel, 1-8 of the AVX2 one, up to 40 in
 several), N not a multiple of 16 (a partial tile) nor of 128 (a partial group of tiles), a row
-stride wider than K, an outlier input channel, and two threads. The two kernels quantize alike and
-sum alike, so on a CPU that runs both their bf16 outputs are equal bit for bit.
+stride wider than K, an outlier input channel, and two threads. The kernels quantize alike and
+sum alike, so on a CPU that runs two of them their bf16 outputs are equal bit for bit.
 
-A kernel is skipped, with the reason, only where this CPU cannot run it (no AVX512-VNNI; not x86).
+A kernel is skipped, with the reason, only where this CPU cannot run it (no AVX512-VNNI or AMX-INT8;
+not x86).
 """
 
 from __future__ import annotations
@@ -26,13 +28,18 @@ from kernels.linear import (ACT_GROUP, Int8Linear, pack_int8_gemm, quantize_int8
 from engine.platform import cpu_flags
 
 
-@pytest.fixture(scope="module", params=[("w8a8_vnni", torch.bfloat16), ("w8a8_avx2", torch.bfloat16),
-                                        ("w8a8_avx2", torch.float32)], ids=["vnni-bf16", "avx2-bf16", "avx2-fp32"])
+@pytest.fixture(scope="module", params=[("w8a8_vnni", torch.bfloat16), ("w8a8_amx", torch.bfloat16),
+                                        ("w8a8_avx2", torch.bfloat16), ("w8a8_avx2", torch.float32)],
+                ids=["vnni-bf16", "amx-bf16", "avx2-bf16", "avx2-fp32"])
 def kernel(request) -> tuple[str, torch.dtype]:
     name, dtype = request.param
     flags = cpu_flags()
     if name not in Int8Linear(torch.zeros(16, 32, dtype=dtype), None)._candidates():
         # Only a CPU without the ISA (or without a compiler) has no kernel; never skip on one that has.
+        if name == "w8a8_amx":
+            assert not {"amx_int8", "amx_tile", "avx512_vnni", "avx512_bf16"} <= flags, \
+                "AMX-INT8 CPU but the AMX int8 kernel is not available"
+            pytest.skip("no AMX-INT8 on this CPU")
         if name == "w8a8_vnni":
             assert not {"avx512_vnni", "avx512_bf16"} <= flags, "AVX512-BF16/VNNI CPU but the int8 kernel did not build"
             pytest.skip("no AVX512-BF16 + AVX512-VNNI on this CPU")
@@ -106,7 +113,8 @@ def test_an_activation_group_that_does_not_divide_k_is_refused(kernel):
     with pytest.raises(ValueError, match="multiple of 32"):
         Int8Linear(w, None, group=48)
     lin = Int8Linear(w, None)
-    op = torch.ops.pdserve_int8.w8a8_gemm if kernel[0] == "w8a8_vnni" else torch.ops.pdserve_int8_avx2.w8a8_gemm
+    op = {"w8a8_vnni": torch.ops.pdserve_int8.w8a8_gemm, "w8a8_amx": torch.ops.pdserve_int8_amx.w8a8_gemm,
+          "w8a8_avx2": torch.ops.pdserve_int8_avx2.w8a8_gemm}[kernel[0]]
     with pytest.raises(RuntimeError, match="group must be a multiple of 32 dividing K = 576, got 97"):
         op(torch.randn(1, 576).bfloat16(), lin.qweight, lin.weight_scale, 32, 97)
     with pytest.raises(RuntimeError, match="x must be"):
@@ -154,3 +162,20 @@ def test_the_avx2_kernel_equals_the_vnni_kernel_bit_for_bit(available):
         for m in (1, 3, 8, 16, 17, 40):
             xm = x[:m].bfloat16()
             assert torch.equal(lin.run_kernel("w8a8_vnni", xm), lin.run_kernel("w8a8_avx2", xm)), (n, k, group, m)
+
+
+def test_the_amx_kernel_equals_the_vnni_kernel_bit_for_bit(available):
+    """The same quantize_row, exact int32 group sums (TDPBSUD: signed activations by the stored q + 128,
+    the offset cancelled by the same correction) and the same fp32 fma per group: the same bits.
+    Groups of 32 take tiles 32 deep, of 64 and more 64; 17-130 rows take passes (ragged ones padded)."""
+    if "w8a8_amx" not in Int8Linear(torch.zeros(16, 32, dtype=torch.bfloat16), None)._candidates():
+        assert not {"amx_int8", "amx_tile"} <= cpu_flags(), "AMX-INT8 CPU but the AMX int8 kernel is not available"
+        pytest.skip("no AMX-INT8 on this CPU")
+    gen = torch.Generator().manual_seed(11)
+    for n, k, group in [(1000, 576, 32), (200, 1536, 32), (3072, 576, 64), (72, 576, 192), (49, 576, 576)]:
+        lin = Int8Linear(torch.randn(n, k, generator=gen).bfloat16(), None, group=group)
+        x = torch.randn(130, k, generator=gen)
+        x[:, 5] *= 100
+        for m in (1, 4, 5, 16, 17, 20, 33, 64, 100, 130):
+            xm = x[:m].bfloat16()
+            assert torch.equal(lin.run_kernel("w8a8_vnni", xm), lin.run_kernel("w8a8_amx", xm)), (n, k, group, m)

@@ -11,7 +11,7 @@
 //
 // Every kernel is called through c10's dispatcher with a typed handle looked up once (the ops of
 // layer_ops.cpp, kv_cache_write.cpp, paged_attention.cpp, small_gemm.cpp, small_gemm_amx.cpp, int8_gemm.cpp,
-// int8_gemm_prefill.cpp, int8_gemm_avx2.cpp and aten's linear; oneDNN's and MKL's prepacked
+// int8_gemm_prefill.cpp, int8_gemm_amx.cpp, int8_gemm_avx2.cpp and aten's linear; oneDNN's and MKL's prepacked
 // linears boxed, as their schemas have no fixed C++ signature here), so this file depends on
 // those ops' schemas only, never on their code. Which kernel each linear runs
 // (for this forward's row count) is decided in Python (kernels/decoder_loop.py) and handed over
@@ -38,7 +38,8 @@
 namespace {
 
 enum LinearKind : int64_t { kSmallGemm = 0, kW8A8 = 1, kDense = 2, kOneDnnPacked = 3, kW8A8Large = 4, kMklPacked = 5,
-                   kW8A8Avx2 = 6, kAmxGemm = 7 };
+                   kW8A8Avx2 = 6, kAmxGemm = 7,
+                   kW8A8Amx = 8 };
 constexpr int64_t kLinears = 4;                 // qkv, o, gate_up, down
 constexpr int64_t kTensorsPerLayer = 4 + 3 * kLinears;
 constexpr int64_t kDescPerLinear = 4;
@@ -114,6 +115,13 @@ w8a8_gemm_avx2() {   // int8_gemm_avx2.cpp: w8a8_gemm's schema, for CPUs with AV
   return h;
 }
 
+const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>&
+w8a8_gemm_amx() {   // int8_gemm_amx.cpp: w8a8_gemm's schema, for CPUs with AMX-INT8
+  static const auto h = find("pdserve_int8_amx::w8a8_gemm")
+                            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
+  return h;
+}
+
 const c10::OperatorHandle& onednn_linear() {
   static const auto h = find("mkldnn::_linear_pointwise");
   return h;
@@ -146,6 +154,9 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor* t, const int64_t* d)
       break;
     case kW8A8Large:
       y = w8a8_gemm_large().call(x_in, t[0], t[1], n, group);
+      break;
+    case kW8A8Amx:
+      y = w8a8_gemm_amx().call(x_in, t[0], t[1], n, group);
       break;
     case kW8A8Avx2:
       y = w8a8_gemm_avx2().call(x_in, t[0], t[1], n, group);
