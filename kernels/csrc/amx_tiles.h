@@ -29,5 +29,13 @@ struct alignas(64) TileConfig {   // the 64-byte operand of LDTILECFG, palette 1
   uint8_t rows[16] = {};
 };
 
+// LDTILECFG from cfg. The compiler barrier first: GCC 12 did not treat the builtin as reading all
+// 64 bytes and dropped the stores of constant rows/colsb before it (the tiles then configured as
+// none, and the first tile load faulted, SIGSEGV).
+inline void load_tile_config(const TileConfig& cfg) {
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
 }  // namespace pdserve_amx
 #endif

@@ -65,7 +65,7 @@ void configure_tiles(int rows, int kstep) {
     c.rows[t] = static_cast<uint8_t>(kstep / 4);
     c.colsb[t] = 64;
   }
-  _tile_loadconfig(&c);
+  pdserve_amx::load_tile_config(c);
 }
 
 // The quantized activations of one call, rows [0, ldq) (rows past M are zeros).

@@ -58,7 +58,7 @@ void configure_tiles(int rows) {
     c.rows[t] = 16;
     c.colsb[t] = 64;
   }
-  _tile_loadconfig(&c);
+  pdserve_amx::load_tile_config(c);
 }
 
 // One pass of `rows` rows over one unit of NT column tiles: out[r, col0 + j] for j < 16 NT
