@@ -127,15 +127,23 @@ TILE_BATCHES = {
     # one 16-token chunk across the 512-key partition edge, alone: its keys split over two items,
     # and the tile's first rows see no key of the second (no max, no sum: the merge skips them)
     "split tile": [(500, 16)],
+    # a 150-token prompt from 0: 10 tiles, key steps of 64 with a partial last one (22 keys: a
+    # partial 16-key group on the AMX path, a partial 16-pair P V product)
+    "prompt": [(0, 150)],
 }
 
 
 @pytest.mark.parametrize("batch", list(TILE_BATCHES))
 @pytest.mark.parametrize("group", [1, 2, 3])
-def test_bf16_prefill_tiles_within_tolerance_of_fp32(cpu, batch, group):
-    """The prefill tile path (bf16 pair dot products for QK^T and PV, P rounded to bf16) at every
-    tile height, held to the bf16 rule of test_bf16_within_tolerance_of_fp32."""
-    query, kc, vc, full, lean, args = case(TILE_BATCHES[batch], 16, kv_heads=2, group=group, head_dim=64,
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("amx", ["on", "off"])
+def test_bf16_prefill_tiles_within_tolerance_of_fp32(cpu, monkeypatch, batch, group, head_dim, amx):
+    """The prefill tile path (QK^T and PV as bf16 products, P rounded to bf16) at every tile height,
+    held to the bf16 rule of test_bf16_within_tolerance_of_fp32: through AMX tiles where the CPU
+    has AMX-BF16 ("on"; elsewhere both runs take vdpbf16ps) and through vdpbf16ps ("off",
+    PDSERVE_ATTN_AMX=0)."""
+    monkeypatch.setenv("PDSERVE_ATTN_AMX", "1" if amx == "on" else "0")
+    query, kc, vc, full, lean, args = case(TILE_BATCHES[batch], 16, kv_heads=2, group=group, head_dim=head_dim,
                                            dtype=torch.bfloat16)
     ref = get_attention_backend("torch")
     exact = ref.paged_attention(query.float(), kc.float(), vc.float(), AttentionMetadata.build(*args), 0.125)
