@@ -363,17 +363,21 @@ def _small_gemm_kernel(w: torch.Tensor) -> Kernel | None:
 
     if load_extension()[0] is None or not torch.ops.pdserve_gemm.available():
         return None
-    packed, n = pack_small_gemm(w), w.shape[0]
-    op = torch.ops.pdserve_gemm.small_gemm_bf16
+    packed = pack_small_gemm(w)
+    small = _packed_bf16_kernel(torch.ops.pdserve_gemm.small_gemm_bf16, packed, w.shape[0])
+    small.packed = packed  # type: ignore[attr-defined]
+    return small
 
-    def small(x: torch.Tensor) -> torch.Tensor:
+
+def _packed_bf16_kernel(op, packed: torch.Tensor, n: int) -> Kernel:
+    """x [M, K] bf16 -> op(out [M, n], x, packed, n): the call of both kernels on the packed weight."""
+    def kernel(x: torch.Tensor) -> torch.Tensor:
         x = x if x.stride(-1) == 1 else x.contiguous()
         out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
         op(out, x, packed, n)
         return out
 
-    small.packed = packed  # type: ignore[attr-defined]
-    return small
+    return kernel
 
 
 def _amx_gemm_kernel(packed: torch.Tensor, shape: torch.Size) -> Kernel | None:
@@ -384,15 +388,7 @@ def _amx_gemm_kernel(packed: torch.Tensor, shape: torch.Size) -> Kernel | None:
     n, k = shape
     if k % 32 or not torch.ops.pdserve_amx.available():
         return None
-    op = torch.ops.pdserve_amx.small_gemm_bf16_amx
-
-    def amx(x: torch.Tensor) -> torch.Tensor:
-        x = x if x.stride(-1) == 1 else x.contiguous()
-        out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-        op(out, x, packed, n)
-        return out
-
-    return amx
+    return _packed_bf16_kernel(torch.ops.pdserve_amx.small_gemm_bf16_amx, packed, n)
 
 
 # -- int8 -----------------------------------------------------------------------------------------

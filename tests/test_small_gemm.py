@@ -58,18 +58,22 @@ def test_prefill_sized_inputs_match_too(available):
 def test_two_threads_give_the_same_result(available, n):
     w = torch.randn(n, 64).bfloat16()
     kernel = _small_gemm_kernel(w)
-    threads = torch.get_num_threads()
     for m in (1, 5, 16, 40):
         x = torch.randn(m, 64).bfloat16()
-        try:
-            torch.set_num_threads(1)
-            one = kernel(x)
-            torch.set_num_threads(2)
-            two = kernel(x)
-        finally:
-            torch.set_num_threads(threads)
+        one, two = _on_one_and_two_threads(kernel, x)
         assert torch.equal(one, two), m
         assert rel(one, x.float() @ w.float().T) < 2 ** -7, m
+
+
+def _on_one_and_two_threads(kernel, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(x)
+        torch.set_num_threads(2)
+        return one, kernel(x)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_packing_layout_round_trips(available):
@@ -129,16 +133,8 @@ def test_amx_every_row_count_matches_the_fp32_product(amx, n, k):
 def test_amx_two_threads_give_the_same_result(amx):
     w = torch.randn(3072, 576).bfloat16()
     kernel = _amx(w)
-    threads = torch.get_num_threads()
     for m in (5, 16, 40):
-        x = torch.randn(m, 576).bfloat16()
-        try:
-            torch.set_num_threads(1)
-            one = kernel(x)
-            torch.set_num_threads(2)
-            two = kernel(x)
-        finally:
-            torch.set_num_threads(threads)
+        one, two = _on_one_and_two_threads(kernel, torch.randn(m, 576).bfloat16())
         assert torch.equal(one, two), m
 
 
