@@ -333,7 +333,8 @@ class DenseLinear(MeasuredLinear):
     def resident_bytes(self) -> int:
         """Bytes this linear's kept weight copies occupy (the plain weight and packed copies)."""
         plain = 0 if self.weight is None else self.weight.numel() * self.weight.element_size()
-        copies = {t.data_ptr(): t for t in self._packed.values()}   # (small_gemm and amx_gemm share one)
+        # (small_gemm and amx_gemm share one tensor; by identity: oneDNN's opaque tensor has no data_ptr)
+        copies = {id(t): t for t in self._packed.values()}
         return plain + sum(t.numel() * t.element_size() for t in copies.values())
 
 
