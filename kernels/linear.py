@@ -20,8 +20,9 @@ threads), so 30 layers of one shape are measured once; ``kernel_summary`` names 
   ``s = amax(|W_row|) / 127``, activations quantized dynamically per token and group of
   ``ACT_GROUP`` channels (or a wider group per linear: engine/quantization/apply.py). Kernels:
   ours for bf16 on CPUs with AVX512-VNNI (kernels/csrc/int8_gemm.cpp, vpdpbusd on the int8 weight
-  tiles; kernels/csrc/int8_gemm_amx.cpp, AMX tiles on the same weight, where the CPU has AMX-INT8), ours for fp32 or bf16 on any AVX2 CPU (kernels/csrc/int8_gemm_avx2.cpp, vpmaddubsw on
-  the same tiles), and the dense GEMM on the dequantized operands (elsewhere).
+  tiles; kernels/csrc/int8_gemm_amx.cpp, AMX tiles on the same weight, where the CPU has AMX-INT8),
+  ours for fp32 or bf16 on any AVX2 CPU (kernels/csrc/int8_gemm_avx2.cpp, vpmaddubsw on the same
+  tiles), and the dense GEMM on the dequantized operands (elsewhere).
 - ``Fp8Linear`` (``fp8``): E4M3 weights with per-output-channel scales ``s = amax(|W_row|) / 448``
   (or a checkpoint's ``weight_scale``), activations quantized dynamically per token to E4M3 (W8A8).
   Kernels: ``torch._scaled_mm`` (fp8 x fp8, per-row/per-column fp32 scales); and an exact emulation
@@ -476,10 +477,9 @@ class Int8Linear(MeasuredLinear):
     kernels/csrc/int8_gemm_prefill.cpp, the same tiles and the same result bit for bit, blocked
     4 rows x 48 columns in registers for many rows), ``w8a8_amx`` (kernels/csrc/int8_gemm_amx.cpp,
     CPUs with AMX-INT8: the same tiles through TDPBSUD, the same result bit for bit, for 5-128
-    rows), ``w8a8_avx2`` (kernels/csrc/int8_gemm_avx2.cpp,
-    fp32 or bf16 on any AVX2 CPU: the same tiles and, for bf16, the same result bit for bit; on
-    Zen 1, fp32 model, 2 threads: the decode step 2.8x faster than fp32 at batch 1, 1.47x at 16,
-    1.1x at 32, fp32 through oneDNN) and ``dequant_dense`` (the reference and the path elsewhere:
+    rows), ``w8a8_avx2`` (kernels/csrc/int8_gemm_avx2.cpp, fp32 or bf16 on any AVX2 CPU: the same
+    tiles and, for bf16, the same result bit for bit; on Zen 1, fp32 model, 2 threads: the decode
+    step 2.8x faster than fp32 at batch 1, 1.47x at 16, 1.1x at 32, fp32 through oneDNN) and ``dequant_dense`` (the reference and the path elsewhere:
     the activations quantized and dequantized, the weight widened to the model dtype, the dense
     GEMM, the weight scales). They compute the same quantized products; the
     dense one rounds the dequantized activations to the model dtype. The weight is held once: in

@@ -10,10 +10,10 @@
 // them is gone (one Python -> C++ crossing a forward instead of ~300).
 //
 // Every kernel is called through c10's dispatcher with a typed handle looked up once (the ops of
-// layer_ops.cpp, kv_cache_write.cpp, paged_attention.cpp, small_gemm.cpp, small_gemm_amx.cpp, int8_gemm.cpp,
-// int8_gemm_prefill.cpp, int8_gemm_amx.cpp, int8_gemm_avx2.cpp and aten's linear; oneDNN's and MKL's prepacked
-// linears boxed, as their schemas have no fixed C++ signature here), so this file depends on
-// those ops' schemas only, never on their code. Which kernel each linear runs
+// layer_ops.cpp, kv_cache_write.cpp, paged_attention.cpp, small_gemm.cpp, small_gemm_amx.cpp,
+// int8_gemm.cpp, int8_gemm_prefill.cpp, int8_gemm_amx.cpp, int8_gemm_avx2.cpp and aten's linear;
+// oneDNN's and MKL's prepacked linears boxed, as their schemas have no fixed C++ signature here), so
+// this file depends on those ops' schemas only, never on their code. Which kernel each linear runs
 // (for this forward's row count) is decided in Python (kernels/decoder_loop.py) and handed over
 // as a descriptor list; the layer's tensors come as one flat list:
 //
@@ -38,8 +38,7 @@
 namespace {
 
 enum LinearKind : int64_t { kSmallGemm = 0, kW8A8 = 1, kDense = 2, kOneDnnPacked = 3, kW8A8Large = 4, kMklPacked = 5,
-                   kW8A8Avx2 = 6, kAmxGemm = 7,
-                   kW8A8Amx = 8 };
+                   kW8A8Avx2 = 6, kAmxGemm = 7, kW8A8Amx = 8 };
 constexpr int64_t kLinears = 4;                 // qkv, o, gate_up, down
 constexpr int64_t kTensorsPerLayer = 4 + 3 * kLinears;
 constexpr int64_t kDescPerLinear = 4;
@@ -137,16 +136,11 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor* t, const int64_t* d)
   const int64_t kind = d[0], n = d[1], group = d[2];
   at::Tensor y;
   switch (kind) {
-    case kSmallGemm: {
+    case kSmallGemm:
+    case kAmxGemm: {   // (one schema, one packed weight)
       const at::Tensor x = x_in.stride(-1) == 1 ? x_in : x_in.contiguous();
       y = at::empty({x.size(0), n}, x.options());
-      small_gemm().call(y, x, t[0], n);
-      break;
-    }
-    case kAmxGemm: {
-      const at::Tensor x = x_in.stride(-1) == 1 ? x_in : x_in.contiguous();
-      y = at::empty({x.size(0), n}, x.options());
-      amx_gemm().call(y, x, t[0], n);
+      (kind == kSmallGemm ? small_gemm() : amx_gemm()).call(y, x, t[0], n);
       break;
     }
     case kW8A8:
