@@ -30,8 +30,8 @@ class KVFormat:
 
     dtype: element dtype name ("bfloat16", "float8_e4m3fn", ...); layout: KV_LAYOUT; head layout:
     num_layers x num_kv_heads x head_dim; scales_digest: digest of an FP8 cache's dequantization
-    scales (engine/quantization/kv_scales.py; "" for a cache in the compute dtype): the same E4M3
-    bytes under different scales are different numbers.
+    scales and offsets (engine/quantization/kv_scales.py; "" for a cache in the compute dtype): the
+    same E4M3 bytes under different scales or offsets are different numbers.
     """
 
     dtype: str
@@ -53,7 +53,7 @@ class KVCacheSpec:
     """Shape of a paged KV cache. Two caches can exchange blocks only if their specs match
     (apart from num_blocks): see ``kv_format``.
 
-    scales_digest: digest of the FP8 dequantization scales ("" for a cache in the compute dtype).
+    scales_digest: digest of the FP8 dequantization scales and offsets ("" for a cache in the compute dtype).
     """
 
     num_layers: int

@@ -24,7 +24,7 @@ from engine.model_loader import resolve_model
 from engine.quantization import check_kv_cache_dtype, check_quantization
 from engine.quantization.apply import apply_quantization
 from engine.quantization.checkpoint import Fp8Weight, split_fp8
-from engine.quantization.kv_scales import CALIBRATION_TEXT, KVScales, load_or_calibrate, scales_from_amax
+from engine.quantization.kv_scales import CALIBRATION_TEXT, KVScales, calibrate_kv, load_or_calibrate
 from engine.models.llama import LlamaForCausalLM
 from kernels.attention import AttentionMetadata, get_attention_backend
 from kernels.decoder_loop import build_decoder_loop
@@ -113,7 +113,8 @@ class ModelRunner:
                      f"; python for {reason}" if reason else "")
 
     def _use_fp8_kv_cache(self) -> None:
-        """Load (or calibrate once and store) the model's KV scales and hand them to every layer."""
+        """Load (or calibrate once and store) the model's KV scales and offsets and hand them to
+        every layer (offsets in the compute dtype: engine/models/llama.py subtracts them)."""
         if not getattr(self.ops, "supports_kv_scales", False):
             log.warning("attention backend %s has no FP8 KV cache support: using the torch reference", self.ops.name)
             self.ops = self._reference_ops
@@ -121,19 +122,23 @@ class ModelRunner:
         cfg = self.model_config
         self.kv_scales = load_or_calibrate(Path(cfg.path), cfg.num_layers, cfg.num_kv_heads, self._calibrate_kv_scales)
         for l, layer in enumerate(self.model.model.layers):
+            attn = layer.self_attn
             k_scale, v_scale = self.kv_scales.layer(l)
-            layer.self_attn.k_scale, layer.self_attn.v_scale = k_scale.to(self.device), v_scale.to(self.device)
+            attn.k_scale, attn.v_scale = k_scale.to(self.device), v_scale.to(self.device)
+            offsets = self.kv_scales.layer_offsets(l)
+            attn.k_offset, attn.v_offset = (None, None) if offsets is None else \
+                (o.to(self.device, self.dtype).contiguous() for o in offsets)
 
     def _calibrate_kv_scales(self) -> KVScales:
         """One forward over the calibration text with a cache in the compute dtype, recording each
-        layer's per-KV-head amax of K (after RoPE) and V."""
+        layer's K (after RoPE) and V (engine/quantization/kv_scales.py calibrate_kv)."""
         from engine.model_loader import load_tokenizer
 
         cfg = self.model_config
         ids = load_tokenizer(cfg.path)(CALIBRATION_TEXT.read_text())["input_ids"][:cfg.max_model_len]
         spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.block_size,
                            -(-len(ids) // self.block_size), self.dtype)
-        recorder = AmaxRecorder(self._reference_ops, cfg.num_layers)
+        recorder = KVRecorder(self._reference_ops, cfg.num_layers)
         ops, cache = self.ops, getattr(self, "kv_cache", None)
         self.ops, self.kv_cache = recorder, PagedKVCache(spec, device=self.device)
         try:
@@ -142,8 +147,8 @@ class ModelRunner:
             self.ops, self.kv_cache = ops, cache
         what = f"{len(ids)} tokens of {CALIBRATION_TEXT.name}, {str(self.dtype).removeprefix('torch.')}, " \
                f"quantization {self.quantization}"
-        log.info("calibrated FP8 KV scales on %s", what)
-        return scales_from_amax(recorder.k_amax, recorder.v_amax, what)
+        log.info("calibrated FP8 KV scales and offsets on %s", what)
+        return calibrate_kv(recorder.keys, recorder.values, what)
 
     @property
     def num_blocks(self) -> int:
@@ -238,9 +243,9 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Ll
     return model.eval()
 
 
-class AmaxRecorder:
-    """An attention backend for calibration: the torch reference, recording per-KV-head amax of
-    every K and V written. ``end_layer(l)`` (the forward's layer hook) files the last write under layer l."""
+class KVRecorder:
+    """An attention backend for calibration: the torch reference, keeping every K and V written.
+    ``end_layer(l)`` (the forward's layer hook) files the last write under layer l."""
 
     name = "calibration"
     metadata_groups = "all"
@@ -248,16 +253,16 @@ class AmaxRecorder:
     def __init__(self, reference, num_layers: int) -> None:
         self._ref = reference
         self.paged_attention = reference.paged_attention
-        self.k_amax: list[list[float]] = [[] for _ in range(num_layers)]
-        self.v_amax: list[list[float]] = [[] for _ in range(num_layers)]
-        self._last: tuple[list[float], list[float]] | None = None
+        self.keys: list[torch.Tensor | None] = [None] * num_layers     # [T, Hkv, D] each
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                        value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        self._last = (key.float().abs().amax(dim=(0, 2)).tolist(), value.float().abs().amax(dim=(0, 2)).tolist())
+        self._last = (key.detach().clone(), value.detach().clone())
         self._ref.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
     def end_layer(self, l: int) -> None:
         assert self._last is not None, "layer hook before any K/V write"
-        self.k_amax[l], self.v_amax[l] = self._last
+        self.keys[l], self.values[l] = self._last
         self._last = None

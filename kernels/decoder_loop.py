@@ -144,8 +144,10 @@ def build_decoder_loop(model: nn.Module) -> tuple[DecoderLoop | None, str]:
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             fp8 = attn.k_scale is not None
+            offsets = attn.k_offset is not None
             tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                        _fp32_vector(attn.k_scale) if fp8 else _EMPTY, _fp32_vector(attn.v_scale) if fp8 else _EMPTY]
+                        _fp32_vector(attn.k_scale) if fp8 else _EMPTY, _fp32_vector(attn.v_scale) if fp8 else _EMPTY,
+                        attn.k_offset if offsets else _EMPTY, attn.v_offset if offsets else _EMPTY]
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 operands = linear_operands(linear, bucket)
                 if isinstance(operands, str):

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from engine.kv_cache import KVCacheSpec, PagedKVCache
-from engine.quantization.kv_scales import scales_from_amax
+from engine.quantization.kv_scales import calibrate_kv
 from kv_transfer import CompatKey, IncompatiblePeer, TransferState, create_transport
 
 # The bundled model's layout; 63 blocks of 16 = 1,008 tokens: a 1,000-token prompt.
 SMOL = dict(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, num_blocks=64)
-DIGEST_A = scales_from_amax([[1.0] * 3] * 30, [[2.0] * 3] * 30, "a").digest()
-DIGEST_B = scales_from_amax([[1.0] * 3] * 30, [[2.5] * 3] * 30, "b").digest()
+_KV = torch.linspace(-1, 1, 8)[:, None, None].expand(8, 3, 64)
+DIGEST_A = calibrate_kv([_KV] * 30, [_KV * 2] * 30, "a").digest()
+DIGEST_B = calibrate_kv([_KV] * 30, [_KV * 2 + 0.5] * 30, "b").digest()   # other V offsets
 
 
 def fp8_spec(digest: str = DIGEST_A) -> KVCacheSpec:

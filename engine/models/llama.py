@@ -98,6 +98,11 @@ class Attention(nn.Module):
         # FP8 KV cache: fp32 [num_kv_heads] dequantization scales, set at load (None: cache in the compute dtype).
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
+        # and [num_kv_heads, head_dim] offsets in the compute dtype, subtracted from K and V before they
+        # are written (engine/quantization/kv_scales.py: attention is unchanged by a K offset; the V
+        # offset is added back to the output), or None.
+        self.k_offset: torch.Tensor | None = None
+        self.v_offset: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, meta: AttentionMetadata, ops: AttentionBackend,
@@ -109,11 +114,15 @@ class Attention(nn.Module):
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         q, k, v = lops.rope_split(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         kv_scales = {} if self.k_scale is None else {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        if self.k_offset is not None:
+            k, v = k - self.k_offset, v - self.v_offset
         ops.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping, **kv_scales)
         # A backend that reads the new K/V directly (a prefill chunk from position 0) says so; never
         # with an FP8 cache, where prefill must attend over the same quantized bytes as decode.
         new_kv = {"key": k, "value": v} if getattr(ops, "reads_new_kv", False) and not kv_scales else {}
         out = ops.paged_attention(q, key_cache, value_cache, meta, self.scale, **kv_scales, **new_kv)
+        if self.v_offset is not None:   # [T, Hq, D] += each query head's KV head's offset
+            out = out.reshape(num_tokens, self.num_kv_heads, -1, self.head_dim).add_(self.v_offset[:, None])
         return self.o_proj.forward(out.reshape(num_tokens, self.q_size))
 
 

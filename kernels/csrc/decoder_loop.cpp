@@ -18,7 +18,8 @@
 // as a descriptor list; the layer's tensors come as one flat list:
 //
 //   layer_tensors, per layer (TENSORS_PER_LAYER): input_layernorm.weight, post_attention_layernorm
-//     .weight, k_scale, v_scale (FP8 cache; placeholders otherwise), then per linear (qkv, o,
+//     .weight, k_scale, v_scale (FP8 cache; placeholders otherwise), k_offset, v_offset ([Hkv, D]
+//     in the compute dtype, an FP8 cache's calibrated offsets; placeholders otherwise), then per linear (qkv, o,
 //     gate_up, down) three: operand a (packed weight / weight), operand b (int8 weight scales or a
 //     placeholder), bias (or a placeholder).
 //   linear_desc, per layer and linear: kind (LinearKind), n (output features), group (int8
@@ -35,12 +36,14 @@
 #include <optional>
 #include <vector>
 
+#include "dtype_dispatch.h"
+
 namespace {
 
 enum LinearKind : int64_t { kSmallGemm = 0, kW8A8 = 1, kDense = 2, kOneDnnPacked = 3, kW8A8Large = 4, kMklPacked = 5,
                    kW8A8Avx2 = 6, kAmxGemm = 7, kW8A8Amx = 8 };
 constexpr int64_t kLinears = 4;                 // qkv, o, gate_up, down
-constexpr int64_t kTensorsPerLayer = 4 + 3 * kLinears;
+constexpr int64_t kTensorsPerLayer = 6 + 3 * kLinears;
 constexpr int64_t kDescPerLinear = 4;
 
 using OptTensor = std::optional<at::Tensor>;
@@ -73,6 +76,28 @@ struct Ops {
                                   const at::Tensor&, const at::Tensor&, const at::Tensor&, double, const OptTensor&,
                                   const OptTensor&, int64_t)>();
 };
+
+// x[t][h][r][:] += sign * offset[h][:] for a contiguous x [T, Hkv, rep, D] and offset [Hkv, D] of
+// x's dtype, rounded as torch rounds x + y (in fp32, then to the dtype): an FP8 cache's K/V offsets
+// (rep 1) and the V offset added back to the attention output (rep: query heads per KV head). A
+// loop of its own: two aten broadcast ops and an add a layer cost ~0.5 ms of a 16-row decode step
+// here (TensorIterator set-up, 90 calls a step).
+void add_offset(at::Tensor& x, const at::Tensor& offset, int64_t rep, float sign) {
+  const int64_t hkv = offset.size(0), d = offset.size(1), tokens = x.numel() / (hkv * rep * d);
+  TORCH_CHECK(x.is_contiguous() && offset.is_contiguous() && offset.dim() == 2 &&
+                  x.scalar_type() == offset.scalar_type() && x.numel() == tokens * hkv * rep * d,
+              "decoder_loop: an FP8 cache's offsets must be contiguous [Hkv, D] in the compute dtype");
+  pdserve_dispatch::activation(x.scalar_type(), "KV offset", [&](auto tag) {
+    using T = decltype(tag);
+    T* p = x.data_ptr<T>();
+    const T* off = offset.data_ptr<T>();
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t h = 0; h < hkv; ++h)
+        for (int64_t r = 0; r < rep; ++r, p += d)
+          for (int64_t j = 0; j < d; ++j)
+            p[j] = static_cast<T>(static_cast<float>(p[j]) + sign * static_cast<float>(off[h * d + j]));
+  });
+}
 
 const Ops& ops() {
   static const Ops o;   // looked up on first use: every library has registered its ops by then
@@ -214,7 +239,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_loop(at::Tensor& x_in, const std::opt
     } else {
       o.add_rms_norm.call(h, x, residual, lt[0], eps);
     }
-    at::Tensor qkv = linear(h, lt + 4, ld);
+    at::Tensor qkv = linear(h, lt + 6, ld);
     if (qkv.stride(-1) != 1) qkv = qkv.contiguous();
     // One allocation for q | k | v, each contiguous (as CppLayerOps.rope_split).
     at::Tensor flat = at::empty({t * (hq + 2 * hkv) * hd}, qkv.options());
@@ -222,17 +247,23 @@ std::tuple<at::Tensor, at::Tensor> decoder_loop(at::Tensor& x_in, const std::opt
     at::Tensor k = flat.narrow(0, t * hq * hd, t * hkv * hd).view({t, hkv, hd});
     at::Tensor v = flat.narrow(0, t * (hq + hkv) * hd, t * hkv * hd).view({t, hkv, hd});
     o.rope_split.call(q, k, v, qkv, cos, sin);
+    const bool offsets = lt[4].numel() != 0;   // the FP8 cache's K/V offsets (engine/models/llama.py)
+    if (offsets) {
+      add_offset(k, lt[4], 1, -1.f);
+      add_offset(v, lt[5], 1, -1.f);
+    }
     at::Tensor kc = key_caches[l], vc = value_caches[l];
     o.write_kv.call(k, v, kc, vc, slot_mapping, k_scale, v_scale);
     at::Tensor attn = at::empty_like(q);
     o.attention.call(attn, q, kc, vc, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, 0);
-    at::Tensor out = linear(attn.view({t, hq * hd}), lt + 7, ld + kDescPerLinear);
+    if (offsets) add_offset(attn, lt[5], hq / hkv, 1.f);   // each query head gets its KV head's V offset back
+    at::Tensor out = linear(attn.view({t, hq * hd}), lt + 9, ld + kDescPerLinear);
     h = at::empty(out.sizes(), opts);
     o.add_rms_norm.call(h, out, residual, lt[1], eps);
-    at::Tensor gate_up = linear(h, lt + 10, ld + 2 * kDescPerLinear);
+    at::Tensor gate_up = linear(h, lt + 12, ld + 2 * kDescPerLinear);
     at::Tensor act = at::empty({t, gate_up.size(1) / 2}, opts);
     o.silu_mul.call(act, gate_up);
-    x = linear(act, lt + 13, ld + 3 * kDescPerLinear);
+    x = linear(act, lt + 15, ld + 3 * kDescPerLinear);
   }
   return {x, residual};
 }
