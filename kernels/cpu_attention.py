@@ -45,7 +45,7 @@ Yet every layer reading the same layer's K/V (so it stays in L3) halves the step
 neither a longer prefetch nor an earlier one recovers that.
 
 The extension is built once per machine with ``torch.utils.cpp_extension.load`` (``-O3
--march=native -fopenmp``) into a cache directory keyed by the CPU capability and torch version
+-march=native -fopenmp``) into a cache directory keyed by the CPU capability, its feature flags and torch version
 (``$PDSERVE_KERNEL_CACHE`` or ``~/.cache/pdserve/kernels``); a build takes ~10 s of CPU on these
 machines (minutes of wall time when they are busy), a cached load ~20 ms. ``load_extension``
 returns ``None`` with a reason when the build is impossible (no compiler, no ninja, a compile
@@ -93,10 +93,28 @@ def _flags() -> list[str]:
     return FLAGS + (["-march=native"] if _is_x86() else [])
 
 
+def _native_target() -> str:
+    """What ``-march=native`` compiles for, as far as it matters to a build: the first processor's
+    feature flags in /proc/cpuinfo ("" elsewhere). Two CPUs of one torch capability (AVX-512 with
+    and without AMX, say) sharing a home directory must not load each other's build."""
+    if not _is_x86():
+        return ""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return " ".join(sorted(line.partition(":")[2].split()))
+    return ""
+
+
 def _stamp() -> str:
-    """The build key: every source and header (name and bytes) and the flags. A header edit must
-    change it too, or a checkout would load the build of an older header."""
+    """The build key: every source and header (name and bytes), the flags and the CPU that
+    ``-march=native`` targets. A header edit must change it too, or a checkout would load the
+    build of an older header."""
     digest = hashlib.sha256(" ".join(_flags()).encode())
+    digest.update(f"\0{_native_target()}\0".encode())
     for path in SOURCES + HEADERS:
         digest.update(f"\0{path.name}\0{path.stat().st_size}\0".encode())
         digest.update(path.read_bytes())

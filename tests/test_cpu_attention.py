@@ -276,6 +276,15 @@ def test_the_build_key_covers_every_source_and_header(monkeypatch, tmp_path):
     before = cpu_attention._stamp()
     header.write_text(header.read_text() + "// an edit\n")
     assert cpu_attention._stamp() != before   # a header edit is a new build, never a stale one
+    before = cpu_attention._stamp()
+    monkeypatch.setattr(cpu_attention, "_native_target", lambda: "avx512f avx512_bf16 amx_tile")
+    assert cpu_attention._stamp() != before   # another CPU (-march=native) is another build
+
+
+def test_the_build_key_names_this_cpus_flags():
+    if not cpu_attention._is_x86():
+        pytest.skip("not x86: -march=native is not passed")
+    assert "sse2" in cpu_attention._native_target().split()
 
 
 @pytest.mark.parametrize("x_dtype,cache_dtype,scales", [
