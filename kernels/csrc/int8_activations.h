@@ -95,14 +95,20 @@ inline void quantize_row(const at::BFloat16* x, int64_t k, int64_t group, int64_
 // on the bf16 bits (for finite values |x| orders as bits & 0x7FFF do), the 4 rows' reductions share
 // one shuffle tree, the scales of 16 groups are one vector division, and each 32 channels of the 4
 // rows are packed and interleaved in registers into two 64-byte lines. 16 rows, one thread (Zen 4):
-// K = 1536 in groups of 32 9.0 -> 4.4 us, K = 576 in groups of 64 3.0 -> 1.3 us; at decode sizes
-// this runs serially before the call's parallel part.
+// K = 1536 in groups of 32 9.0 -> 2.65 us, K = 576 in groups of 64 3.0 -> 0.8 us; at decode sizes
+// this runs serially before the call's parallel part. (Rows past `rows` are masked loads, and the
+// 4 rows' maxima named registers: with an array and a branch per load the compiler kept the
+// maxima on the stack, and the amax pass alone took 2.8 us at K = 1536.)
 inline void quantize_block(const at::BFloat16* x, int64_t ldx, int rows, int64_t k, int64_t group,
                            const QuantizedRows& p) {
   const uint16_t* row[4];
-  for (int r = 0; r < 4; ++r) row[r] = reinterpret_cast<const uint16_t*>(x + (r < rows ? r : 0) * ldx);
+  __mmask32 live[4];   // all 32 lanes of row r's loads, or none past `rows` (masked loads: no branches)
+  for (int r = 0; r < 4; ++r) {
+    row[r] = reinterpret_cast<const uint16_t*>(x + (r < rows ? r : 0) * ldx);
+    live[r] = r < rows ? ~__mmask32{0} : __mmask32{0};
+  }
   auto bits = [&](int r, int64_t c) {   // the 32 bf16 of row r's chunk c (zero past `rows`)
-    return r < rows ? _mm512_loadu_si512(row[r] + c * kChunk) : _mm512_setzero_si512();
+    return _mm512_maskz_loadu_epi16(live[r], row[r] + c * kChunk);
   };
   const int64_t groups = k / group, chunks = group / kChunk;
   const __m512i magnitude = _mm512_set1_epi16(0x7FFF), high_words = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
@@ -116,18 +122,22 @@ inline void quantize_block(const at::BFloat16* x, int64_t ldx, int rows, int64_t
   const __m512i ones = _mm512_set1_epi8(1);
   constexpr int64_t kBatch = 16;   // groups whose 4 rows' scales are one vector division
   alignas(64) float inv[kBatch * 4];
+  int32_t* const xq = p.xq;   // (locals: stores through the int32 pointers could alias p's fields)
+  int32_t* const corr = p.corr;
+  float* const sx = p.sx;
   for (int64_t g0 = 0; g0 < groups; g0 += kBatch) {
     const int64_t gn = std::min<int64_t>(kBatch, groups - g0);
     for (int64_t g = 0; g < gn; ++g) {   // amax of each row in each group, into inv[4 g + r]
-      __m512i v[4];
-      for (int r = 0; r < 4; ++r) {
-        v[r] = _mm512_setzero_si512();
-        for (int64_t c = (g0 + g) * chunks; c < (g0 + g + 1) * chunks; ++c)
-          v[r] = _mm512_max_epu16(v[r], _mm512_and_si512(bits(r, c), magnitude));
+      __m512i v0 = _mm512_setzero_si512(), v1 = v0, v2 = v0, v3 = v0;
+      for (int64_t c = (g0 + g) * chunks; c < (g0 + g + 1) * chunks; ++c) {
+        v0 = _mm512_max_epu16(v0, _mm512_and_si512(bits(0, c), magnitude));
+        v1 = _mm512_max_epu16(v1, _mm512_and_si512(bits(1, c), magnitude));
+        v2 = _mm512_max_epu16(v2, _mm512_and_si512(bits(2, c), magnitude));
+        v3 = _mm512_max_epu16(v3, _mm512_and_si512(bits(3, c), magnitude));
       }
       // halves, then 128-bit lanes (lane r: row r), then within lanes: word 0 of dword 4 r = row r's amax
-      const __m512i m01 = _mm512_max_epu16(_mm512_shuffle_i32x4(v[0], v[1], 0x44), _mm512_shuffle_i32x4(v[0], v[1], 0xEE));
-      const __m512i m23 = _mm512_max_epu16(_mm512_shuffle_i32x4(v[2], v[3], 0x44), _mm512_shuffle_i32x4(v[2], v[3], 0xEE));
+      const __m512i m01 = _mm512_max_epu16(_mm512_shuffle_i32x4(v0, v1, 0x44), _mm512_shuffle_i32x4(v0, v1, 0xEE));
+      const __m512i m23 = _mm512_max_epu16(_mm512_shuffle_i32x4(v2, v3, 0x44), _mm512_shuffle_i32x4(v2, v3, 0xEE));
       __m512i a = _mm512_max_epu16(_mm512_shuffle_i32x4(m01, m23, 0x88), _mm512_shuffle_i32x4(m01, m23, 0xDD));
       a = _mm512_max_epu16(a, _mm512_shuffle_epi32(a, _MM_PERM_BADC));
       a = _mm512_max_epu16(a, _mm512_shuffle_epi32(a, _MM_PERM_CDAB));
@@ -139,7 +149,7 @@ inline void quantize_block(const at::BFloat16* x, int64_t ldx, int rows, int64_t
       const __m512 amax = _mm512_maskz_loadu_ps(mask, inv + i);
       const __m512 scale = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(1.f),
                                                 _mm512_div_ps(amax, _mm512_set1_ps(127.f)));
-      _mm512_mask_storeu_ps(p.sx + 4 * g0 + i, mask, scale);
+      _mm512_mask_storeu_ps(sx + 4 * g0 + i, mask, scale);
       _mm512_mask_storeu_ps(inv + i, mask, _mm512_div_ps(_mm512_set1_ps(1.f), scale));
     }
     for (int64_t g = 0; g < gn; ++g) {
@@ -156,13 +166,13 @@ inline void quantize_block(const at::BFloat16* x, int64_t ldx, int rows, int64_t
         const __m512i ab = _mm512_shuffle_epi8(_mm512_packs_epi16(w[0], w[1]), order);
         const __m512i cd = _mm512_shuffle_epi8(_mm512_packs_epi16(w[2], w[3]), order);
         const __m512i lo = _mm512_permutex2var_epi32(ab, lo_idx, cd), hi = _mm512_permutex2var_epi32(ab, hi_idx, cd);
-        _mm512_storeu_si512(p.xq + c * kChunk, lo);   // quads 8c .. 8c+3 of the 4 rows, then 8c+4 .. 8c+7
-        _mm512_storeu_si512(p.xq + c * kChunk + 16, hi);
+        _mm512_storeu_si512(xq + c * kChunk, lo);   // quads 8c .. 8c+3 of the 4 rows, then 8c+4 .. 8c+7
+        _mm512_storeu_si512(xq + c * kChunk + 16, hi);
         sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum, ones, lo), ones, hi);   // dword 4 i + r: 4 of row r's values
       }
       sum = _mm512_add_epi32(sum, _mm512_shuffle_i32x4(sum, sum, 0x4E));
       sum = _mm512_add_epi32(sum, _mm512_shuffle_i32x4(sum, sum, 0xB1));   // dwords 0-3: rows 0-3
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(p.corr + 4 * (g0 + g)),
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(corr + 4 * (g0 + g)),
                        _mm_mullo_epi32(_mm512_castsi512_si128(sum), _mm_set1_epi32(-128)));
     }
   }
