@@ -29,9 +29,19 @@
 // Measured and not kept (2 threads, M = 512 and 2048, load 3.6): the rows in chunks of 64 or 256
 // (each thread's panels over one chunk of rows at a time, so the chunk's activations and outputs
 // stay in L2): within noise (1-3%) on the model's four shapes. At decode sizes (Zen 4, the model's
-// 121 linears in sequence, cold, 16 rows, A/B in one process, within +-3% noise): the prefetch two
-// panels ahead, with a T0 or T2 hint, spread over the blocks (each a quarter of the lines), the
-// whole first panel asked at the call's start or before the quantization.
+// 121 linears in sequence, cold, 16 rows, A/B in one process): the prefetch two panels ahead
+// (+3%), with a T0 or NTA hint (+15%), in the first block only (+17%) or the first two (+1.5%), or
+// spread over the blocks (each a quarter of the lines; noise), the whole first panel asked at the
+// call's start or before the quantization (noise), the next linear's first panels asked before
+// each call (slower); the two threads taking panels from the two ends of the range until they meet
+// (+4.5%); each thread quantizing the rows itself after asking its first panel into L2, or a share
+// of them behind a barrier (1% faster: not worth a second code path); the micro-kernel with the
+// -128 sum(xq) start added at the group's end (no start registers, no fp32 spills) and the
+// prefetch branch hoisted (same speed). Where 16 rows go now (2 threads, per call, decode order):
+// compute at 92-94% of vpdpbusd's rate with the fma (hot, per thread), ~3 us of fixed cost (the
+// output and buffers, the serial quantization, the fork), and weights from DRAM: at 16 rows the
+// kernel at full speed reads ~29 GB/s of weight, ~3/4 of what the two cores read streaming (~40),
+// and the calls of the small linears (o_proj, qkv_proj) run ~30-50% slower cold than hot.
 // In the model (bf16, int8, 2 threads, fused decoder loop, A/B alternating in one process, logits
 // equal bit for bit): a 2048-token prefill forward 746 -> 648 ms (1.15x; quiet lock, load 2.5), a
 // 1024-token one 978 -> 802 ms (heavy lock, load 3.8) against w8a8_gemm. At 1 row its panels make
