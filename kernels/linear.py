@@ -99,24 +99,26 @@ class MeasuredLinear(nn.Module):
 
     def _choose(self, kernels: dict[str, Kernel], dtype: torch.dtype, device: torch.device,
                 preferred: tuple[str, str, str] | None = None, decode_only: bool = False,
-                prefill_only: tuple[str, ...] = ()) -> None:
+                first_bucket: dict[str, int] | None = None) -> None:
         """Time ``kernels`` per bucket; ``preferred``: the kernel per bucket that wins on a quiet
         machine of this kind, kept unless another measures clearly (1.25x) faster. decode_only:
         the linear sees prefill-sized row counts rarely if ever (the LM head: one row per
-        sequence), so the last bucket takes the middle bucket's kernel, untimed. prefill_only:
-        kernels timed (and chosen) at the last bucket only: built for many rows, never the right
-        choice at decode sizes, so a noisy timing on a busy host must not pick one there.
+        sequence), so the last bucket takes the middle bucket's kernel, untimed. first_bucket:
+        kernel name -> the first bucket (index into BUCKETS) it is timed and chosen at (0 where
+        absent): kernels built for more rows, never the right choice below that bucket, so a noisy
+        timing on a busy host must not pick one there.
 
         Only the chosen kernels are kept (with the weight copies they read); ``run_kernel``
         rebuilds any other from ``_candidates()`` when asked (tests, bench quant)."""
         # the activation group (int8) changes a kernel's work, as the shape does
         key = (self.method, self.out_features, self.in_features, getattr(self, "group", None), dtype, device.type,
-               torch.get_num_threads(), tuple(kernels), decode_only, prefill_only)
+               torch.get_num_threads(), tuple(kernels), decode_only, tuple(sorted((first_bucket or {}).items())))
         if key not in _choice_cache:
             evict = _cache_evictor(device)
-            decode_kernels = {name: k for name, k in kernels.items() if name not in prefill_only}
-            names = [_fastest(kernels if i == len(BUCKETS) - 1 else decode_kernels, self.in_features, dtype, device, m,
-                              None if preferred is None else preferred[i], evict=evict if m <= COLD_MAX_ROWS else None)
+            first = first_bucket or {}
+            names = [_fastest({name: k for name, k in kernels.items() if first.get(name, 0) <= i}, self.in_features, dtype,
+                              device, m, None if preferred is None else preferred[i],
+                              evict=evict if m <= COLD_MAX_ROWS else None)
                      for i, m in enumerate(BUCKETS[:-1] if decode_only else BUCKETS)]
             _choice_cache[key] = tuple(names + names[-1:] if decode_only else names)
         self.kernel_names: tuple[str, str, str] = _choice_cache[key]
@@ -473,9 +475,10 @@ class Int8Linear(MeasuredLinear):
 
     Kernels: ``w8a8_vnni`` (kernels/csrc/int8_gemm.cpp, bf16 on CPUs with AVX512-BF16 and
     AVX512-VNNI: the activations quantized in the call, the int8 weight streamed once through
-    vpdpbusd, int32 sums per group, fp32 across groups), ``w8a8_vnni_large`` (prefill bucket only:
-    kernels/csrc/int8_gemm_prefill.cpp, the same tiles and the same result bit for bit, blocked
-    4 rows x 48 columns in registers for many rows), ``w8a8_amx`` (kernels/csrc/int8_gemm_amx.cpp,
+    vpdpbusd, int32 sums per group, fp32 across groups), ``w8a8_vnni_large`` (from the 16-row
+    bucket on: kernels/csrc/int8_gemm_prefill.cpp, the same tiles and the same result bit for bit,
+    blocked 4 rows x 48 columns in registers, the activations quantized 4 rows at a time),
+    ``w8a8_amx`` (kernels/csrc/int8_gemm_amx.cpp,
     CPUs with AMX-INT8: the same tiles through TDPBSUD, the same result bit for bit, for 5-128
     rows), ``w8a8_avx2`` (kernels/csrc/int8_gemm_avx2.cpp, fp32 or bf16 on any AVX2 CPU: the same
     tiles and, for bf16, the same result bit for bit; on Zen 1, fp32 model, 2 threads: the decode
@@ -545,16 +548,18 @@ class Int8Linear(MeasuredLinear):
             self.register_buffer("qweight", q, persistent=False)
             self.register_buffer("weight_scale", scale, persistent=False)
         self.bias = None if bias is None else bias.detach()
-        # Quiet-machine winners (Zen 5): the decode kernel at 1 and 16 rows, the prefill kernel at 512
-        # (1.2-1.5x the decode kernel there, 2 threads). Where the VNNI kernels run, dequant_dense is
+        # Quiet-machine winners (Zen 4/5, 2 threads): the decode kernel at 1 row, the blocked kernel
+        # (w8a8_vnni_large) at 16 rows (Zen 4, the model's 121 linears cold: 1.07x at 16 rows, 1.1x at
+        # 32) and at 512 (1.2-1.5x the decode kernel there); it is not offered at 1 row, where its
+        # 48-column panels make 3 loads per 3 vpdpbusd. Where the VNNI kernels run, dequant_dense is
         # offered at 512 rows only: it never won a decode bucket on a quiet machine, but a timing on
         # a loaded host picked it for 16 rows (~2 ms a step lost, and that bucket off the fused loop).
         # Where only AVX2 runs (Zen 1), w8a8_avx2 at every bucket, dequant_dense timed at 512 only.
         # With AMX-INT8 (Sapphire Rapids), w8a8_amx at 16 rows.
-        preferred = (("w8a8_vnni", "w8a8_amx" if self._amx else "w8a8_vnni", "w8a8_vnni_large") if self._vnni
+        preferred = (("w8a8_vnni", "w8a8_amx" if self._amx else "w8a8_vnni_large", "w8a8_vnni_large") if self._vnni
                      else ("w8a8_avx2",) * 3 if self._avx2 else None)
         self._choose(self._candidates(), self.dtype, q.device, preferred, decode_only,
-                     prefill_only=("w8a8_vnni_large", "dequant_dense") if self.tiled else ("w8a8_vnni_large",))
+                     first_bucket={"w8a8_vnni_large": 1, **({"dequant_dense": 2} if self.tiled else {})})
 
     def _int8_nk(self) -> torch.Tensor:
         """The int8 weight [N, K] (unpacked from the tiles when they hold it: a copy)."""

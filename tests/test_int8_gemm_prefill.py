@@ -1,10 +1,13 @@
-"""The prefill INT8 kernel (kernels/csrc/int8_gemm_prefill.cpp, Int8Linear's ``w8a8_vnni_large``):
-the same packed weight and the same operations in the same order as the decode kernel
-(kernels/csrc/int8_gemm.cpp's ``w8a8_gemm``), so its output equals that kernel's bit for bit, and
-both are within one bf16 ulp of the largest output (2^-7 relative) of an fp32 product of the same
-quantized operands (tests/test_int8_gemm.py's reference). Shapes: rows not a multiple of the
-kernel's 4-row blocks, N not a multiple of its 48-column panels nor of 16 (a partial tile), the
-activation groups the model uses (32, 64, the whole row), a row stride wider than K, two threads.
+"""The blocked INT8 kernel (kernels/csrc/int8_gemm_prefill.cpp, Int8Linear's ``w8a8_vnni_large``,
+chosen from 16 rows on): the same packed weight and the same operations in the same order as the
+decode kernel (kernels/csrc/int8_gemm.cpp's ``w8a8_gemm``), its activations quantized 4 rows at a
+time (int8_activations.h quantize_block) to the values w8a8_gemm's quantize_row gives row by row,
+so its output equals that kernel's bit for bit, and both are within one bf16 ulp of the largest
+output (2^-7 relative) of an fp32 product of the same quantized operands (tests/test_int8_gemm.py's
+reference). Shapes: every row count 1-20 (a last block of 1-4 rows) and more, N not a multiple of
+its 48-column panels nor of 16 (a partial tile), the activation groups the model uses (32, 64, the
+whole row), more than 16 groups (quantize_block's batch of scales), a row stride wider than K,
+an outlier channel, an all-zero group, an all-zero row, two threads.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from kernels.linear import BUCKETS, Int8Linear, quantize_int8_per_channel
 from tests.test_int8_gemm import available, reference, rel  # noqa: F401 - the fixture is used by name
 
 
-@pytest.mark.parametrize("k", [64, 576])
+@pytest.mark.parametrize("k", [64, 576, 1536])
 @pytest.mark.parametrize("n", [48, 960, 40])
 def test_equals_the_decode_kernel_bit_for_bit(available, n, k):
     gen = torch.Generator().manual_seed(n + k)
@@ -25,10 +28,12 @@ def test_equals_the_decode_kernel_bit_for_bit(available, n, k):
     wide = torch.randn(100, k + 8, generator=gen)
     wide[:, 5] *= 300                                     # an outlier channel
     wide[:, 32:64] = 0                                    # an all-zero group
+    wide[6] = 0                                           # an all-zero row
+    wide[2, 40:] *= 1e-30                                 # tiny values, in groups of their own past the zero group
     wide = wide.bfloat16()
     for group in sorted({32, 64, k}):
         lin = Int8Linear(w, None, group=group)
-        for m in (17, 64, 100):
+        for m in [*range(1, 21), 32, 64, 100]:
             x = wide[:m, :k]                              # rows of stride k + 8
             got = lin.run_kernel("w8a8_vnni_large", x)
             assert got.dtype == torch.bfloat16 and got.shape == (m, n)
@@ -51,13 +56,13 @@ def test_two_threads_and_one_give_the_same_bits(available):
     assert torch.equal(one, two)
 
 
-def test_timed_and_chosen_only_at_the_prefill_bucket(available):
-    """Decode buckets keep the decode kernel whatever a noisy timing says (the prefill kernel's
-    4-row blocks compute 3 padding rows at 1 row); wrong operands are refused naming the field."""
-    lin = Int8Linear(torch.randn(200, 96).bfloat16(), None)
-    assert "w8a8_vnni_large" in lin.kernel_choices and len(lin.kernel_names) == len(BUCKETS)
-    assert "w8a8_vnni_large" not in lin.kernel_names[:-1]
-    head = Int8Linear(torch.randn(200, 96).bfloat16(), None, decode_only=True)   # never timed at all
-    assert "w8a8_vnni_large" not in head.kernel_names
+def test_offered_from_the_16_row_bucket_on(available):
+    """1-4 rows never take the blocked kernel, whatever a noisy timing says (its 48-column panels
+    make a weight load per vpdpbusd at one row); from 16 rows it is timed (and preferred), the LM
+    head's (decode_only) too; wrong operands are refused naming the field."""
+    for decode_only in (False, True):
+        lin = Int8Linear(torch.randn(200, 96).bfloat16(), None, decode_only=decode_only)
+        assert "w8a8_vnni_large" in lin.kernel_choices and len(lin.kernel_names) == len(BUCKETS)
+        assert lin.kernel_names[0] != "w8a8_vnni_large"
     with pytest.raises(RuntimeError, match="group"):
         torch.ops.pdserve_int8p.w8a8_gemm_large(torch.randn(4, 96).bfloat16(), lin.qweight, lin.weight_scale, 200, 48)

@@ -1,34 +1,51 @@
-// INT8 linear layers at prefill sizes (kernels/linear.py's Int8Linear, kernel "w8a8_vnni_large"):
-// the same product, packed weight and numerics as kernels/csrc/int8_gemm.cpp's w8a8_gemm (read its
-// header: q + 128 uint8 tiles [N/16][K/4][16][4], per-output-channel fp32 scales, activations
-// quantized in the call per token and group of G channels, the -128 sum(xq) start of each group's
-// int32 sum, fp32 across groups in order, one rounding to bf16), register-blocked for many rows:
+// INT8 linear layers from 5 rows on (kernels/linear.py's Int8Linear, kernel "w8a8_vnni_large": the
+// 16-row decode bucket and prefill): the same product, packed weight and numerics as
+// kernels/csrc/int8_gemm.cpp's w8a8_gemm (read its header: q + 128 uint8 tiles [N/16][K/4][16][4],
+// per-output-channel fp32 scales, activations quantized in the call per token and group of G
+// channels, the -128 sum(xq) start of each group's int32 sum, fp32 across groups in order, one
+// rounding to bf16), register-blocked for many rows:
 //
 //   out[m, n] = wscale[n] * sum_g sx[m, g] * sum_{k in g} xq[m, k] q[n, k]
 //
-// Why a second kernel: w8a8_gemm is built for decode (1-32 rows). At 16 rows a pass, one weight
-// line feeds 16 vpdpbusd whose broadcasts each read memory (17 loads per 16 vpdpbusd: the load
-// ports, not vpdpbusd, bound it), and its fp32 sums across groups live in an L1 block (a load and a
-// store per row, tile and group); at 512+ rows that made it only as fast as bf16's GEMM. Here a
-// micro-kernel takes 4 rows x 3 tiles (48 output columns): 12 int32 sums for the group under way,
-// 12 fp32 sums across groups, all in registers (27 of 32 zmm with the 3 weight lines), 3 weight
-// loads and 4 broadcasts per 12 vpdpbusd.
+// Why a second kernel: w8a8_gemm is built for 1-4 rows. At 16 rows a pass, one weight line feeds
+// 16 vpdpbusd whose broadcasts each read memory (17 loads per 16 vpdpbusd), and its fp32 sums
+// across groups live in an L1 block (a load and a store per row, tile and group); at 512+ rows
+// that made it only as fast as bf16's GEMM. Here a micro-kernel takes 4 rows x 3 tiles (48 output
+// columns): 12 int32 sums for the group under way, 12 fp32 sums across groups, all in registers
+// (27 of 32 zmm with the 3 weight lines), 3 weight loads and 4 broadcasts per 12 vpdpbusd. The one
+// fma per row, tile and group that the numerics need shares vpdpbusd's pipes (Zen 4: 12 vpdpbusd
+// + 2 fma take 14 cycles): groups of 32 cap the kernel at 8/9 of vpdpbusd's rate, 64 at 16/17.
 //
 // Blocking: a panel is 3 tiles x all K (27 KB at K = 576, 72 KB at K = 1536: L1 or L2) and every
 // 4-row block of the call runs over it, so each weight byte is read from DRAM once per call; the
-// threads take disjoint ranges of panels (at::parallel_for). The activations are quantized once
-// per call, in parallel over the rows, into a 4-row quad layout [M/4][K/4][4] int32 (a block's
-// broadcasts are one pointer plus an immediate offset); rows past M in the last block are zero and
-// never stored. Measured and not kept (2 threads, M = 512 and 2048, load 3.6): the rows in chunks of
-// 64 or 256 (each thread's panels over one chunk of rows at a time, so the chunk's activations and
-// outputs stay in L2): within noise (1-3%) on the model's four shapes.
+// threads take disjoint ranges of panels (at::parallel_for; at decode sizes only with 128 KB of
+// weight or more each, as w8a8_gemm). While the first 4 blocks run over a panel they ask the
+// thread's next panel into L2 (each block all of it: a decode step finds every weight in DRAM,
+// and with the prefetches in the first block only the 16-row step was 4-9% slower, Zen 4; one
+// panel ahead, not two). The activations are quantized once per call, 4 rows at a time
+// (int8_activations.h quantize_block; in parallel over the blocks from 64 rows), into a 4-row quad
+// layout [M/4][K/4][4] int32 (a block's broadcasts are one pointer plus an immediate offset);
+// rows past M in the last block are zero rows, and a last block of 1-3 rows computes only those.
+// Measured and not kept (2 threads, M = 512 and 2048, load 3.6): the rows in chunks of 64 or 256
+// (each thread's panels over one chunk of rows at a time, so the chunk's activations and outputs
+// stay in L2): within noise (1-3%) on the model's four shapes. At decode sizes (Zen 4, the model's
+// 121 linears in sequence, cold, 16 rows, A/B in one process): the prefetch two panels ahead
+// (+3%), with a T0 or NTA hint (+15%), in the first block only (+17%) or the first two (+1.5%), or
+// spread over the blocks (each a quarter of the lines; noise), the whole first panel asked at the
+// call's start or before the quantization (noise), the next linear's first panels asked before
+// each call (slower); the two threads taking panels from the two ends of the range until they meet
+// (+4.5%); each thread quantizing the rows itself after asking its first panel into L2, or a share
+// of them behind a barrier (1% faster: not worth a second code path); the micro-kernel with the
+// -128 sum(xq) start added at the group's end (no start registers, no fp32 spills) and the
+// prefetch branch hoisted (same speed). Where 16 rows go now (2 threads, per call, decode order):
+// compute at 92-94% of vpdpbusd's rate with the fma (hot, per thread), ~3 us of fixed cost (the
+// output and buffers, the serial quantization, the fork), and weights from DRAM: at 16 rows the
+// kernel at full speed reads ~29 GB/s of weight, ~3/4 of what the two cores read streaming (~40),
+// and the calls of the small linears (o_proj, qkv_proj) run ~30-50% slower cold than hot.
 // In the model (bf16, int8, 2 threads, fused decoder loop, A/B alternating in one process, logits
 // equal bit for bit): a 2048-token prefill forward 746 -> 648 ms (1.15x; quiet lock, load 2.5), a
-// 1024-token one 978 -> 802 ms (heavy lock, load 3.8). Not for decode: at 16 rows on weights in
-// cache it is 1.2x faster than w8a8_gemm (bench quant's linear table), but a decode step at batch
-// 16 (weights out of cache) took 9.50 -> 11.17 ms with it (min of 20, load 2.4; w8a8_gemm prefetches
-// its weight stream, this kernel does not), and 1 row computes 3 padding rows: Int8Linear times
-// it at the prefill bucket only.
+// 1024-token one 978 -> 802 ms (heavy lock, load 3.8) against w8a8_gemm. At 1 row its panels make
+// a weight load per vpdpbusd: Int8Linear offers it from the 16-row bucket on.
 //
 // Numerics: the same operations in the same order as w8a8_gemm (the quantization: amax, scale =
 // amax / 127, x * (1 / scale) rounded half to even; the int32 group sums are exact; each group's
@@ -41,7 +58,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
+#include <memory>
 
 #include "int8_activations.h"
 
@@ -55,6 +72,7 @@ namespace {
 #if PDSERVE_INT8P_GEMM
 constexpr int kRows = 4;         // rows per micro-kernel call
 constexpr int kTiles = 3;        // tiles of 16 output columns per panel
+constexpr int64_t kPrefetchBlocks = 4;   // the first blocks over a panel ask the next panel into L2
 
 // The quantized activations of a call, in blocks of kRows rows.
 struct Blocks {
@@ -64,20 +82,21 @@ struct Blocks {
   int64_t k4, groups;
 };
 
-// Rows [4 b, 4 b + rows) x tiles [0, NT) of the panel at w (tile t at w + t tile_stride, output
-// columns n0 + 16 t ..): out[m, col] for col < n.
-template <int NT>
-void micro_kernel(const Blocks& q, int64_t b, int rows, int64_t quads, const uint8_t* w, int64_t tile_stride,
-                  const float* wscale, at::BFloat16* out, int64_t ldo, int64_t n0, int64_t n) {
-  __m512 facc[kRows][NT];
-  for (int m = 0; m < kRows; ++m)
+// Rows [4 b, 4 b + R) x tiles [0, NT) of the panel at w (tile t at w + t tile_stride, output
+// columns n0 + 16 t ..): out[m, col] for col < n. next: the next panel (same tile stride), asked
+// into L2 line by line as this one is read, or nullptr.
+template <int NT, int R>
+void micro_kernel(const Blocks& q, int64_t b, int64_t quads, const uint8_t* w, int64_t tile_stride, const float* wscale,
+                  at::BFloat16* out, int64_t ldo, int64_t n0, int64_t n, const uint8_t* next) {
+  __m512 facc[R][NT];
+  for (int m = 0; m < R; ++m)
     for (int t = 0; t < NT; ++t) facc[m][t] = _mm512_setzero_ps();
   const int32_t* xq = q.xq + b * q.k4 * kRows;
   const float* sx = q.sx + b * q.groups * kRows;
   const int32_t* corr = q.corr + b * q.groups * kRows;
   for (int64_t g = 0; g < q.groups; ++g) {
-    __m512i iacc[kRows][NT];
-    for (int m = 0; m < kRows; ++m) {
+    __m512i iacc[R][NT];
+    for (int m = 0; m < R; ++m) {
       const __m512i start = _mm512_set1_epi32(corr[g * kRows + m]);
       for (int t = 0; t < NT; ++t) iacc[m][t] = start;
     }
@@ -86,13 +105,16 @@ void micro_kernel(const Blocks& q, int64_t b, int rows, int64_t quads, const uin
 #pragma GCC unroll 4
     for (int64_t i = 0; i < quads; ++i) {
       __m512i wv[NT];
-      for (int t = 0; t < NT; ++t) wv[t] = _mm512_loadu_si512(wk + t * tile_stride + i * 64);
-      for (int m = 0; m < kRows; ++m) {
+      for (int t = 0; t < NT; ++t) {
+        if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + t * tile_stride + (g * quads + i) * 64), _MM_HINT_T1);
+        wv[t] = _mm512_loadu_si512(wk + t * tile_stride + i * 64);
+      }
+      for (int m = 0; m < R; ++m) {
         const __m512i a = _mm512_set1_epi32(xk[i * kRows + m]);
         for (int t = 0; t < NT; ++t) iacc[m][t] = _mm512_dpbusd_epi32(iacc[m][t], wv[t], a);
       }
     }
-    for (int m = 0; m < kRows; ++m) {
+    for (int m = 0; m < R; ++m) {
       const __m512 s = _mm512_set1_ps(sx[g * kRows + m]);
       for (int t = 0; t < NT; ++t) facc[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[m][t]), s, facc[m][t]);
     }
@@ -102,10 +124,21 @@ void micro_kernel(const Blocks& q, int64_t b, int rows, int64_t quads, const uin
     if (col >= n) break;
     const __m512 s = _mm512_loadu_ps(wscale + col);
     const __mmask16 mask = n - col >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - col)) - 1);
-    for (int m = 0; m < rows; ++m)
+    for (int m = 0; m < R; ++m)
       _mm256_mask_storeu_epi16(out + (b * kRows + m) * ldo + col, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(facc[m][t], s)));
   }
 }
+
+using MicroKernel = void (*)(const Blocks&, int64_t, int64_t, const uint8_t*, int64_t, const float*, at::BFloat16*, int64_t,
+                             int64_t, int64_t, const uint8_t*);
+
+// micro_kernel<NT, R> for a panel of nt tiles (1-3) and a block of rows rows (1-4): a last block
+// of fewer rows computes only those (5 rows: 4 + 1, not 8).
+template <int NT>
+constexpr MicroKernel for_rows(int rows) {
+  return rows == 1 ? &micro_kernel<NT, 1> : rows == 2 ? &micro_kernel<NT, 2> : rows == 3 ? &micro_kernel<NT, 3> : &micro_kernel<NT, 4>;
+}
+MicroKernel pick(int nt, int rows) { return nt == 3 ? for_rows<3>(rows) : nt == 2 ? for_rows<2>(rows) : for_rows<1>(rows); }
 #endif
 
 // out [M, N] bf16 = x [M, K] bf16 (rows contiguous, or copied so) times the packed weight, as
@@ -119,36 +152,36 @@ at::Tensor w8a8_gemm_large(const at::Tensor& x_in, const at::Tensor& packed, con
   if (m == 0) return out;
   const int64_t groups = k / group, quads = group / 4, k4 = k / 4;
   const int64_t blocks = (m + kRows - 1) / kRows;
-  // zero-filled: the padding rows of the last block compute on zeros (their outputs are not stored)
-  std::vector<int32_t> xq(blocks * k4 * kRows, 0);
-  std::vector<float> sx(blocks * groups * kRows, 1.f);
-  std::vector<int32_t> corr(blocks * groups * kRows, 0);
-  const Blocks q{xq.data(), sx.data(), corr.data(), k4, groups};
+  // (every entry written by quantize_block, the last block's padding rows as zero rows)
+  const std::unique_ptr<int32_t[]> xq(new int32_t[blocks * k4 * kRows]);
+  const std::unique_ptr<float[]> sx(new float[blocks * groups * kRows]);
+  const std::unique_ptr<int32_t[]> corr(new int32_t[blocks * groups * kRows]);
+  const Blocks q{xq.get(), sx.get(), corr.get(), k4, groups};
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   const int64_t ldx = x.stride(0);
-  at::parallel_for(0, m, 64, [&](int64_t r0, int64_t r1) {
-    alignas(64) int8_t tmp[pdserve_int8::kChunk];
-    for (int64_t r = r0; r < r1; ++r) {   // block b's rows: QuantizedRows of ldq kRows at the block's base
-      const int64_t b = r / kRows;
-      const pdserve_int8::QuantizedRows rows{q.xq + b * k4 * kRows, q.sx + b * groups * kRows, q.corr + b * groups * kRows, kRows};
-      pdserve_int8::quantize_row(xp + r * ldx, k, group, r % kRows, rows, tmp);
-    }
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {   // (16 blocks: decode's rows quantized inline)
+    for (int64_t b = b0; b < b1; ++b)
+      pdserve_int8::quantize_block(xp + b * kRows * ldx, ldx, static_cast<int>(std::min<int64_t>(kRows, m - b * kRows)), k,
+                                   group, pdserve_int8::QuantizedRows{q.xq + b * k4 * kRows, q.sx + b * groups * kRows,
+                                                                      q.corr + b * groups * kRows, kRows});
   });
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = wscale.data_ptr<float>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t ldo = out.stride(0), tile_stride = k * 16;
   const int64_t panels = (tiles + kTiles - 1) / kTiles;
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  // Threads only with 128 KB of weight or more for each (as w8a8_gemm: a hand-off costs more than that much work).
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (tile_stride * kTiles));
+  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t t0 = p * kTiles;
-      const int64_t count = std::min<int64_t>(kTiles, tiles - t0);
+      const int count = static_cast<int>(std::min<int64_t>(kTiles, tiles - t0));
       const uint8_t* w = wp + t0 * tile_stride;
+      // the next panel of this thread, if whole (a partial one is the last and small)
+      const uint8_t* next = p + 1 < p1 && tiles - t0 >= 2 * kTiles ? w + kTiles * tile_stride : nullptr;
       for (int64_t b = 0; b < blocks; ++b) {
         const int rows = static_cast<int>(std::min<int64_t>(kRows, m - b * kRows));
-        if (count == 3) micro_kernel<3>(q, b, rows, quads, w, tile_stride, sp, op, ldo, 16 * t0, n);
-        else if (count == 2) micro_kernel<2>(q, b, rows, quads, w, tile_stride, sp, op, ldo, 16 * t0, n);
-        else micro_kernel<1>(q, b, rows, quads, w, tile_stride, sp, op, ldo, 16 * t0, n);
+        pick(count, rows)(q, b, quads, w, tile_stride, sp, op, ldo, 16 * t0, n, b < kPrefetchBlocks ? next : nullptr);
       }
     }
   });
