@@ -30,16 +30,25 @@
 //      dot products of P (split hi + lo) and V pairs read in place (pv_native); otherwise the V
 //      block converted to fp32 once and streamed through register tiles of up to 6 rows x
 //      head_dim accumulators.
-// Pass 1 also asks for K and V of the block PDSERVE_ATTN_L2_AHEAD (4) blocks on into L2 (and the
-// next K block into L1; past an item's last block, the first blocks of the item its thread takes
-// next, claimed in advance): block tables are shuffled, so no hardware prefetcher finds them, and with
-// the next block only decode spent about 2/3 of its time waiting on DRAM (one thread, b16 ctx 256:
-// 430 us a layer with K/V cold, 119 us with them in cache).
+// Pass 1 also asks for K and V of the block PDSERVE_ATTN_L2_AHEAD (2) blocks on into L2, each
+// 64-byte line once (past an item's last block, the first blocks of the item its thread takes
+// next, claimed in advance): block tables are shuffled, so no hardware prefetcher finds them.
+// On the Zen 4 host of 2026-12-06 that one prefetch per line replaced five (the next K block into
+// L1 and its V into L2, the far blocks into L2, the next V block into L1 again in pass 3): K/V
+// cold, 2 threads, A/B in one process, best of 9: bf16 b16 ctx 256 157 -> 140 us a layer, b32 330
+// -> 278, b16 ctx 1024 535 -> 461; fp32 b16 ctx 256 355 -> 279, b32 693 -> 589; b1 equal. On that
+// host a core keeps only ~20 random 64-byte lines in flight (L1 miss buffers; ~190 ns to DRAM):
+// about 12 GB/s of scattered blocks a core, 23 GB/s for two, even for plain reads with nothing
+// to compute, so the b16 ctx 256 layer (3.1 MB of K/V) cannot take under ~135 us wall there; the
+// prefetches beyond that budget only stall the core. (A prefetch hint passed as a run-time
+// value came out as T0 for every call site (gcc 12): T0 four blocks ahead measured 2x slower
+// cold than T1, hence the one T1 here.)
 // Tried and not kept (2026-12-02, one thread, K/V cold, A/B in one process): reading each
 // partition's K/V blocks first in one burst of plain loads (every line, nothing between them),
 // then computing on them from L2: 1.1-1.18x on items over all KV heads (b16 ctx ~150 175 -> 155
 // us a layer) but 1.5-1.7x slower on one-head items (strided rows: b1 ctx 1024 50 -> 96 us), and
-// one-head items without it are faster still (137 us). With one-head items: dropping the near
+// one-head items without it are faster still (137 us). With one-head items (on the Zen 5 host of
+// then; on Zen 4 see above): dropping the near
 // prefetches (next K block into L1, its V into L2) 1.4-1.6x slower cold; one prefetch per 128 B
 // (leaving the pair's other line to the hardware) 1.7-2x slower; the far prefetch with the T0 or
 // T2 hint, or PDSERVE_ATTN_L2_AHEAD 2, 3, 6: within noise of T1 and 4. With K/V in L2 the same
@@ -48,8 +57,8 @@
 // are the prefetch instructions, the P packing and the per-block bookkeeping. Split-K in runs of
 // whole blocks (so a b1 context under two partitions also splits, 3 KV heads on 2 threads):
 // b1 ctx ~150 12.3 -> 12.8 us, ~700 26 -> 24, 64, 300 and 1024 equal (two threads): not kept.
-// PDSERVE_ATTN_DECODE=fp32 (read at each call) restores the fp32 P V and the one-block prefetch:
-// the earlier kernel, kept for A/B measurements (bench/attention.py) and as a fallback.
+// PDSERVE_ATTN_DECODE=fp32 (read at each call) restores the fp32 P V with K/V asked for one block
+// ahead: the earlier kernel, kept for A/B measurements (bench/attention.py) and as a fallback.
 // This is the two-pass softmax within a partition and FlashAttention's online rescaling between
 // partitions (Milakov & Gimelshein 2018; Dao et al. 2022). The earlier kernel did the online step
 // per 16-key block and row (max, exp, sum, rescale in one dependency chain per block), which bound
@@ -108,22 +117,15 @@ using pdserve_simd::load8;
 
 // Tuning knobs (-D to measure variants): rows per KV head of one item (16 queries at G = 3); keys
 // per partition (rounded to whole blocks; 512 measured 0-10% faster than 256 for decode at 2
-// threads, 128 slower); whether pass 1 also asks for the next V block (into L2: without it
-// decode is 5-15% slower); how many blocks ahead the prefetches go.
+// threads, 128 slower); how many blocks ahead pass 1 asks for K and V.
 #ifndef PDSERVE_ATTN_TILE_ROWS
 #define PDSERVE_ATTN_TILE_ROWS 48
 #endif
 #ifndef PDSERVE_ATTN_PARTITION
 #define PDSERVE_ATTN_PARTITION 512
 #endif
-#ifndef PDSERVE_ATTN_PREFETCH_AHEAD
-#define PDSERVE_ATTN_PREFETCH_AHEAD 1
-#endif
 #ifndef PDSERVE_ATTN_L2_AHEAD
-#define PDSERVE_ATTN_L2_AHEAD 4
-#endif
-#ifndef PDSERVE_ATTN_EARLY_V_PREFETCH
-#define PDSERVE_ATTN_EARLY_V_PREFETCH 1
+#define PDSERVE_ATTN_L2_AHEAD 2
 #endif
 #ifndef PDSERVE_ATTN_WHOLE_MIN_ROWS
 #define PDSERVE_ATTN_WHOLE_MIN_ROWS 16
@@ -158,21 +160,18 @@ inline void load_block(float* dst, const T* src, int64_t stride, int n, int d) {
   }
 }
 
-// Ask for a block's rows (span elements from each of n tokens, stride apart) before they are
-// needed: the blocks of a sequence are scattered, so the hardware prefetcher cannot guess them.
-// Rows that follow each other (span == stride: every KV head of the block) are one range.
+// Ask for a block's rows (span elements from each of n tokens, stride apart) into L2 before they
+// are needed: the blocks of a sequence are scattered, so the hardware prefetcher cannot guess
+// them. Rows that follow each other (span == stride: every KV head of the block) are one range.
 template <typename T>
-inline void prefetch_block(const T* src, int64_t stride, int n, int64_t span, int hint) {
+inline void prefetch_block(const T* src, int64_t stride, int n, int64_t span) {
 #if defined(__AVX512F__) || defined(__SSE__)
   const int64_t bytes = span * static_cast<int64_t>(sizeof(T));
   const int rows = span == stride ? 1 : n;
   const int64_t row_bytes = span == stride ? bytes * n : bytes;
   for (int t = 0; t < rows; ++t) {
     const char* row = reinterpret_cast<const char*>(src + t * stride);
-    if (hint == 0)
-      for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
-    else
-      for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T1);
+    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T1);
   }
 #endif
 }
@@ -570,7 +569,7 @@ struct Call {
   float* partial;          // [slots][rows_max][d + 2]: acc, m, l
   int64_t partial_rows;
   bool fp32_pv;            // PDSERVE_ATTN_DECODE=fp32: decode P V in fp32 as before the bf16 pairs (A/B, fallback)
-  int l2_ahead;            // how many blocks ahead pass 1 asks for K and V into L2 (<= 1: the next block only)
+  int l2_ahead;            // how many blocks ahead pass 1 asks for K and V into L2 (>= 1)
   bool amx;                // prefill tiles' QK^T on AMX where the CPU has it (PDSERVE_ATTN_AMX=0: not, for A/B and tests)
 };
 
@@ -1117,8 +1116,8 @@ void prefetch_first_blocks(const Item& f, int64_t j, const Call<Q, KV>& c) {
   const int64_t at = c.block_tables[f.b * c.bt_stride + kb] * c.cs[0] + static_cast<int64_t>(f.h0) * c.cs[2];
   const int n = static_cast<int>(std::min<int64_t>(bs, k_end - kb * bs));
   const int64_t span = (f.nh - 1) * c.cs[2] + c.d;
-  prefetch_block(c.key_cache + at, c.cs[1], n, span, 1);
-  prefetch_block(c.value_cache + at, c.cs[1], n, span, 1);
+  prefetch_block(c.key_cache + at, c.cs[1], n, span);
+  prefetch_block(c.value_cache + at, c.cs[1], n, span);
 }
 
 template <typename Q, typename KV>
@@ -1180,24 +1179,15 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w, const Item* f
     for (int64_t kb = kb0; kb < kb1; ++kb) {
       const int64_t base = kb * bs;
       const int n = static_cast<int>(std::min<int64_t>(bs, p1 - base));
-      if (kb + PDSERVE_ATTN_PREFETCH_AHEAD < kb1) {   // a later K block into L1, its V block into L2 for pass 3
-        const int64_t ahead = PDSERVE_ATTN_PREFETCH_AHEAD;
-        const int64_t next = table[kb + ahead] * c.cs[0] + static_cast<int64_t>(it.h0) * c.cs[2];
-        const int n_next = static_cast<int>(std::min<int64_t>(bs, p1 - base - ahead * bs));
-        prefetch_block(c.key_cache + next, c.cs[1], n_next, span, 0);
-        if (PDSERVE_ATTN_EARLY_V_PREFETCH) prefetch_block(c.value_cache + next, c.cs[1], n_next, span, 1);
-      }
-      if (c.l2_ahead > 1) {   // K and V l2_ahead blocks on into L2 (at the item's first block: the ones before too)
-        const int64_t from = kb == it.k0 / bs ? kb + 2 : kb + c.l2_ahead;
-        for (int64_t far = from; far <= kb + c.l2_ahead; ++far) {
-          if (far < kb_end) {
-            const int64_t at = table[far] * c.cs[0] + static_cast<int64_t>(it.h0) * c.cs[2];
-            const int n_far = static_cast<int>(std::min<int64_t>(bs, k_end - far * bs));
-            prefetch_block(c.key_cache + at, c.cs[1], n_far, span, 1);
-            prefetch_block(c.value_cache + at, c.cs[1], n_far, span, 1);
-          } else if (following != nullptr) {   // past the item's end: the first blocks of this thread's next item
-            prefetch_first_blocks(*following, far - kb_end, c);
-          }
+      // K and V l2_ahead blocks on into L2, each line once (at the item's first block: the ones before too)
+      for (int64_t far = kb == it.k0 / bs ? kb + 1 : kb + c.l2_ahead; far <= kb + c.l2_ahead; ++far) {
+        if (far < kb_end) {
+          const int64_t at = table[far] * c.cs[0] + static_cast<int64_t>(it.h0) * c.cs[2];
+          const int n_far = static_cast<int>(std::min<int64_t>(bs, k_end - far * bs));
+          prefetch_block(c.key_cache + at, c.cs[1], n_far, span);
+          prefetch_block(c.value_cache + at, c.cs[1], n_far, span);
+        } else if (following != nullptr) {   // past the item's end: the first blocks of this thread's next item
+          prefetch_first_blocks(*following, far - kb_end, c);
         }
       }
       for (int hh = 0; hh < nh; ++hh) {
@@ -1239,13 +1229,7 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w, const Item* f
           live_rows = r + 1;
       }
     if (live_rows == 0) continue;
-    // 3. values; both P V paths read block kb while the V block PDSERVE_ATTN_PREFETCH_AHEAD on comes into L1
-    const auto prefetch_v_ahead = [&](int64_t kb) {
-      const int64_t ahead = PDSERVE_ATTN_PREFETCH_AHEAD;
-      if (kb + ahead >= kb1) return;
-      const int64_t next = table[kb + ahead] * c.cs[0] + static_cast<int64_t>(it.h0) * c.cs[2];
-      prefetch_block(c.value_cache + next, c.cs[1], static_cast<int>(std::min<int64_t>(bs, p1 - (kb + ahead) * bs)), span, 0);
-    };
+    // 3. values (asked for into L2 in pass 1)
 #if defined(__AVX512BF16__)
     if (native_pv) {
       for (int hh = 0; hh < nh; ++hh) {
@@ -1256,7 +1240,6 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w, const Item* f
       for (int64_t kb = kb0; kb < kb1; ++kb) {
         const int64_t base = kb * bs;
         const int n = static_cast<int>(std::min<int64_t>(bs, p1 - base));
-        prefetch_v_ahead(kb);
         for (int hh = 0; hh < nh; ++hh) {
           const int64_t off = table[kb] * c.cs[0] + static_cast<int64_t>(it.h0 + hh) * c.cs[2];
           const size_t hr0 = static_cast<size_t>(hh) * rows;
@@ -1280,7 +1263,6 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w, const Item* f
     for (int64_t kb = kb0; kb < kb1; ++kb) {
       const int64_t base = kb * bs;
       const int n = static_cast<int>(std::min<int64_t>(bs, p1 - base));
-      prefetch_v_ahead(kb);
       for (int hh = 0; hh < nh; ++hh) {
         const int64_t off = table[kb] * c.cs[0] + static_cast<int64_t>(it.h0 + hh) * c.cs[2];
         const size_t hr0 = static_cast<size_t>(hh) * rows;
@@ -1428,7 +1410,7 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, 
   const char* decode_mode = std::getenv("PDSERVE_ATTN_DECODE");
   c.fp32_pv = decode_mode != nullptr && std::strcmp(decode_mode, "fp32") == 0;
   const char* l2 = std::getenv("PDSERVE_ATTN_L2_AHEAD");   // a tuning knob for A/B runs (2 and 8 measured as 4)
-  c.l2_ahead = c.fp32_pv ? 1 : (l2 != nullptr ? std::atoi(l2) : PDSERVE_ATTN_L2_AHEAD);
+  c.l2_ahead = c.fp32_pv ? 1 : std::max(1, l2 != nullptr ? std::atoi(l2) : PDSERVE_ATTN_L2_AHEAD);
   const char* amx = std::getenv("PDSERVE_ATTN_AMX");
   c.amx = amx == nullptr || std::strcmp(amx, "0") != 0;
   const int64_t n_items = static_cast<int64_t>(items.size());
