@@ -267,33 +267,88 @@ inline void load_block_fixed(float* dst, const T* src, int64_t stride, int n) {
 #endif
 
 #if defined(__AVX512BF16__)
-// bf16 query and bf16 keys: s[t] = scale * (q . k_t) with the AVX512-BF16 dot product (bf16 pairs
-// multiplied exactly, summed in fp32), read from the cache without conversion. head_dim = 32 NC2.
-template <int NC2>
-inline void scores_bf16(const at::BFloat16* q, const at::BFloat16* kc, int64_t ld, int n, float scale, float* s) {
-  __m512bh qv[NC2];
-  for (int c = 0; c < NC2; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
-  const __m512 vscale = _mm512_set1_ps(scale);
-  int t0 = 0;
-  for (; t0 + 16 <= n; t0 += 16) {   // whole groups of 16 keys: no per-key branch
-    __m512 a[16];
-    const at::BFloat16* k = kc + t0 * ld;
-    for (int t = 0; t < 16; ++t) {
-      a[t] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(k + t * ld));
-      for (int c = 1; c < NC2; ++c) a[t] = _mm512_dpbf16_ps(a[t], qv[c], (__m512bh)_mm512_loadu_si512(k + t * ld + 32 * c));
+// q [d] bf16 as d / 8 vectors at qb, chunk c (4 dwords, dims 8c .. 8c + 7) in all four 128-bit
+// lanes of vector c: the query side of scores_rows.
+inline void broadcast_chunks(const at::BFloat16* q, int d, uint32_t* qb) {
+  for (int c = 0; c < d / 8; ++c)
+    _mm512_storeu_si512(qb + 16 * c, _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 8 * c))));
+}
+
+// [t0 t1 t2 t3] of 128-bit chunks: r[j] = chunks 0..3 of key j -> kt[c] = chunk c of keys 0..3.
+inline void transpose_chunks(const __m512i* r, __m512i* kt) {
+  const __m512i x0 = _mm512_shuffle_i64x2(r[0], r[1], 0x44), x1 = _mm512_shuffle_i64x2(r[0], r[1], 0xEE);
+  const __m512i x2 = _mm512_shuffle_i64x2(r[2], r[3], 0x44), x3 = _mm512_shuffle_i64x2(r[2], r[3], 0xEE);
+  kt[0] = _mm512_shuffle_i64x2(x0, x2, 0x88);
+  kt[1] = _mm512_shuffle_i64x2(x0, x2, 0xDD);
+  kt[2] = _mm512_shuffle_i64x2(x1, x3, 0x88);
+  kt[3] = _mm512_shuffle_i64x2(x1, x3, 0xDD);
+}
+
+// s[i * ss + t] = scale * (q_i . k_t) for RB rows i and keys t < n <= 16 of one KV head: qb as
+// broadcast_chunks wrote it (rows D / 8 vectors apart), k_t = k + t * ld (bf16, read in place).
+// Keys g, g + 4, g + 8, g + 12 sit side by side in the 128-bit lanes of vector g (a 4 x 4
+// transpose of 128-bit chunks, 8 shuffles per 4 keys x 32 dims, shared by the RB rows), so
+// vdpbf16ps leaves each key 4 partial sums, and one 4-lane reduction of the 4 vectors puts key
+// g + 4 j (vector g, lane j) at position 4 j + g, in order: 9 instructions per row and 16 keys
+// where a 16-lane sum per row and key (a transpose-and-add tree) took 45, with K loaded once for
+// every row, not once per row. Keys at or past n read as zeros (never past the block).
+template <int D, int RB>
+inline void scores_rows(const uint32_t* qb, const at::BFloat16* k, int64_t ld, int n, float scale, float* s, int64_t ss) {
+  __m512 acc[RB][4];
+  for (int i = 0; i < RB; ++i)
+    for (int g = 0; g < 4; ++g) acc[i][g] = _mm512_setzero_ps();
+  for (int cg = 0; cg < D / 32; ++cg) {   // 32 dims (4 chunks, one 64-byte load per key) at a time
+    __m512i kt[4][4];
+    for (int g = 0; g < 4; ++g) {
+      __m512i r[4];
+      for (int j = 0; j < 4; ++j) r[j] = g + 4 * j < n ? _mm512_loadu_si512(k + (g + 4 * j) * ld + 32 * cg) : _mm512_setzero_si512();
+      transpose_chunks(r, kt[g]);
     }
-    _mm512_storeu_ps(s + t0, _mm512_mul_ps(reduce16(a), vscale));
+    for (int i = 0; i < RB; ++i)
+      for (int c = 0; c < 4; ++c) {
+        const __m512bh q = (__m512bh)_mm512_loadu_si512(qb + (i * (D / 8) + 4 * cg + c) * 16);
+        for (int g = 0; g < 4; ++g) acc[i][g] = _mm512_dpbf16_ps(acc[i][g], (__m512bh)kt[g][c], q);
+      }
   }
-  if (t0 < n) {
-    const int m = n - t0;
-    __m512 a[16];
-    for (int t = 0; t < 16; ++t) {
-      a[t] = _mm512_setzero_ps();
-      if (t >= m) continue;
-      const at::BFloat16* k = kc + (t0 + t) * ld;
-      for (int c = 0; c < NC2; ++c) a[t] = _mm512_dpbf16_ps(a[t], qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int i = 0; i < RB; ++i) {
+    const __m512 b0 = _mm512_add_ps(_mm512_unpacklo_ps(acc[i][0], acc[i][1]), _mm512_unpackhi_ps(acc[i][0], acc[i][1]));
+    const __m512 b1 = _mm512_add_ps(_mm512_unpacklo_ps(acc[i][2], acc[i][3]), _mm512_unpackhi_ps(acc[i][2], acc[i][3]));
+    const __m512 sum = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(b0), _mm512_castps_pd(b1))),
+                                     _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(b0), _mm512_castps_pd(b1))));
+    _mm512_mask_storeu_ps(s + i * ss, tail_mask(n), _mm512_mul_ps(sum, vscale));
+  }
+}
+
+// scores_rows for rows r < rows (qb rows D / 8 vectors apart, s rows ss apart) over n keys of one
+// block, 16 keys and up to 4 rows (16 accumulators beside 16 transposed K vectors) at a time.
+template <int D>
+inline void scores_block(const uint32_t* qb, int rows, const at::BFloat16* k, int64_t ld, int n, float scale, float* s,
+                         int64_t ss) {
+  for (int t0 = 0; t0 < n; t0 += 16) {
+    const int m = std::min(16, n - t0);
+    for (int r = 0; r < rows; r += 4) {
+      const uint32_t* q = qb + static_cast<size_t>(r) * (D / 8) * 16;
+      const at::BFloat16* kt = k + t0 * ld;
+      float* out = s + r * ss + t0;
+      switch (std::min(4, rows - r)) {
+        case 4: scores_rows<D, 4>(q, kt, ld, m, scale, out, ss); break;
+        case 3: scores_rows<D, 3>(q, kt, ld, m, scale, out, ss); break;
+        case 2: scores_rows<D, 2>(q, kt, ld, m, scale, out, ss); break;
+        default: scores_rows<D, 1>(q, kt, ld, m, scale, out, ss); break;
+      }
     }
-    _mm512_mask_storeu_ps(s + t0, tail_mask(m), _mm512_mul_ps(reduce16(a), vscale));
+  }
+}
+
+// scores_block for head_dim d in {32, 64, 128}.
+inline void scores_native(const uint32_t* qb, int rows, const at::BFloat16* k, int64_t ld, int n, int d, float scale,
+                          float* s, int64_t ss) {
+  switch (d) {
+    case 64: return scores_block<64>(qb, rows, k, ld, n, scale, s, ss);
+    case 128: return scores_block<128>(qb, rows, k, ld, n, scale, s, ss);
+    case 32: return scores_block<32>(qb, rows, k, ld, n, scale, s, ss);
+    default: break;
   }
 }
 #endif
@@ -310,21 +365,6 @@ inline bool native_bf16(int d) {
 #endif
   (void)d;
   return false;
-}
-
-template <typename Q>
-inline void scores_native(const Q* q, const at::BFloat16* kc, int64_t ld, int n, int d, float scale, float* s) {
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<Q, at::BFloat16>) {
-    switch (d) {
-      case 64: return scores_bf16<2>(q, kc, ld, n, scale, s);
-      case 128: return scores_bf16<4>(q, kc, ld, n, scale, s);
-      case 32: return scores_bf16<1>(q, kc, ld, n, scale, s);
-      default: break;
-    }
-  }
-#endif
-  (void)q, (void)kc, (void)ld, (void)n, (void)d, (void)scale, (void)s;
 }
 
 // dst[t * d + i] = src[t * stride + i] as bf16 (exact for E4M3), t < n, d a multiple of 16.
@@ -580,6 +620,7 @@ struct Scratch {
   std::vector<float> q, acc, m, l, s, kf, vf;
   std::vector<at::BFloat16> kb, vb;   // an FP8 K / V block as bf16
   std::vector<uint32_t> p2;           // P rows as bf16 pairs of keys (the native P V)
+  std::vector<uint32_t> qb;           // the native rows' queries as broadcast_chunks writes them
   std::vector<int64_t> row_off;   // offset of each row's query (and output) vector, per head and row
   std::vector<int64_t> limit;     // each row's causal limit: keys < limit are visible
 };
@@ -1155,6 +1196,16 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w, const Item* f
       w.row_off[static_cast<size_t>(hh) * rows + r] =
           (first + it.q0 + r / group) * c.q_tok + (static_cast<int64_t>(it.h0 + hh) * group + r % group) * c.q_head;
   auto q_row = [&](int hh, int r) { return c.query + w.row_off[static_cast<size_t>(hh) * rows + r]; };
+  const int64_t qbs = static_cast<int64_t>(rows) * (d / 8) * 16;   // dwords of w.qb per head
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<Q, at::BFloat16>) {
+    if (native) {
+      w.qb.resize(nh * qbs);
+      for (int hh = 0; hh < nh; ++hh)
+        for (int r = 0; r < rows; ++r) broadcast_chunks(q_row(hh, r), d, w.qb.data() + hh * qbs + r * (d / 8) * 16);
+    }
+  }
+#endif
   if (!native) {   // fp32 rows, scale (and an FP8 cache's K scale) folded in
     w.q.resize(all_rows * d);
     for (int hh = 0; hh < nh; ++hh) {
@@ -1211,10 +1262,13 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w, const Item* f
           kf = w.kf.data();
         }
         const float ks = native ? c.scale * head_scale(c.k_scale, c.scale_heads, it.h0 + hh) : 1.f;
-        for (int r = 0; r < rows; ++r) {
-          float* s = w.s.data() + (static_cast<size_t>(hh) * rows + r) * ps + (base - p0);
-          if (native) scores_native(q_row(hh, r), kb, ld, n, d, ks, s);
-          else scores(w.q.data() + (static_cast<size_t>(hh) * rows + r) * d, kf, ld, n, d, s);
+        float* s = w.s.data() + static_cast<size_t>(hh) * rows * ps + (base - p0);
+        if (native) {
+#if defined(__AVX512BF16__)
+          scores_native(w.qb.data() + hh * qbs, rows, kb, ld, n, d, ks, s, ps);
+#endif
+        } else {
+          for (int r = 0; r < rows; ++r) scores(w.q.data() + (static_cast<size_t>(hh) * rows + r) * d, kf, ld, n, d, s + r * ps);
         }
       }
     }
