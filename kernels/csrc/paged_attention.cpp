@@ -36,20 +36,20 @@
 // On the Zen 4 host of 2026-12-06 that one prefetch per line replaced five (the next K block into
 // L1 and its V into L2, the far blocks into L2, the next V block into L1 again in pass 3): K/V
 // cold, 2 threads, A/B in one process, best of 9: bf16 b16 ctx 256 157 -> 140 us a layer, b32 330
-// -> 278, b16 ctx 1024 535 -> 461; fp32 b16 ctx 256 355 -> 279, b32 693 -> 589; b1 equal. On that
-// host a core keeps only ~20 random 64-byte lines in flight (L1 miss buffers; ~190 ns to DRAM):
-// about 12 GB/s of scattered blocks a core, 23 GB/s for two, even for plain reads with nothing
-// to compute, so the b16 ctx 256 layer (3.1 MB of K/V) cannot take under ~135 us wall there; the
-// prefetches beyond that budget only stall the core. (A prefetch hint passed as a run-time
-// value came out as T0 for every call site (gcc 12): T0 four blocks ahead measured 2x slower
-// cold than T1, hence the one T1 here.)
+// -> 278, b16 ctx 1024 535 -> 461; fp32 b16 ctx 256 355 -> 279, b32 693 -> 589; b1 equal; and
+// making every prefetch an asm statement (prefetch_block) 141 -> 125 more (contiguous tables
+// 126 -> 107). On that host DRAM is ~190 ns away and a core keeps ~20 scattered lines in flight:
+// plain reads of the b16 ctx 256 layer's 3.1 MB of K/V in this kernel's order (shuffled 6 KB
+// blocks, one KV head's 128-byte rows) take ~146 us on 2 threads, ~106 us with this prefetch, and
+// the kernel ~110-125 us; contiguous tables, read whole blocks in order, ~76 us (the hardware
+// streamer).
 // Tried and not kept (2026-12-02, one thread, K/V cold, A/B in one process): reading each
 // partition's K/V blocks first in one burst of plain loads (every line, nothing between them),
 // then computing on them from L2: 1.1-1.18x on items over all KV heads (b16 ctx ~150 175 -> 155
 // us a layer) but 1.5-1.7x slower on one-head items (strided rows: b1 ctx 1024 50 -> 96 us), and
-// one-head items without it are faster still (137 us). With one-head items (on the Zen 5 host of
-// then; on Zen 4 see above): dropping the near
-// prefetches (next K block into L1, its V into L2) 1.4-1.6x slower cold; one prefetch per 128 B
+// one-head items without it are faster still (137 us). With one-head items (the Zen 5 host of
+// then; on Zen 4 see above): dropping the near prefetches (next K block into L1, its V into L2)
+// 1.4-1.6x slower cold; one prefetch per 128 B
 // (leaving the pair's other line to the hardware) 1.7-2x slower; the far prefetch with the T0 or
 // T2 hint, or PDSERVE_ATTN_L2_AHEAD 2, 3, 6: within noise of T1 and 4. With K/V in L2 the same
 // kernel takes ~0.6x the time (b16 ctx ~150, one thread: ~88 of ~140 us); of those 88, skipping
@@ -163,6 +163,9 @@ inline void load_block(float* dst, const T* src, int64_t stride, int n, int d) {
 // Ask for a block's rows (span elements from each of n tokens, stride apart) into L2 before they
 // are needed: the blocks of a sequence are scattered, so the hardware prefetcher cannot guess
 // them. Rows that follow each other (span == stride: every KV head of the block) are one range.
+// prefetcht1 as an asm statement: gcc 12 drops _mm_prefetch loops as dead code when they run
+// under a run-time condition (here half the call sites: the item's next blocks vs the next
+// item's first ones; the asm statement kept all four, decode 1.1-1.2x faster cold).
 template <typename T>
 inline void prefetch_block(const T* src, int64_t stride, int n, int64_t span) {
 #if defined(__AVX512F__) || defined(__SSE__)
@@ -171,7 +174,7 @@ inline void prefetch_block(const T* src, int64_t stride, int n, int64_t span) {
   const int64_t row_bytes = span == stride ? bytes * n : bytes;
   for (int t = 0; t < rows; ++t) {
     const char* row = reinterpret_cast<const char*>(src + t * stride);
-    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T1);
+    for (int64_t off = 0; off < row_bytes; off += 64) asm volatile("prefetcht1 %0" : : "m"(row[off]));
   }
 #endif
 }
