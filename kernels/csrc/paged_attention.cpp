@@ -30,27 +30,34 @@
 //      dot products of P (split hi + lo) and V pairs read in place (pv_native); otherwise the V
 //      block converted to fp32 once and streamed through register tiles of up to 6 rows x
 //      head_dim accumulators.
-// Pass 1 also asks for K and V of the block PDSERVE_ATTN_L2_AHEAD (2) blocks on into L2, each
-// 64-byte line once (past an item's last block, the first blocks of the item its thread takes
-// next, claimed in advance): block tables are shuffled, so no hardware prefetcher finds them.
+// Each block of pass 1 asks for K of the block PDSERVE_ATTN_L2_AHEAD (4) blocks on into L2, and
+// each block of pass 3 for V, each 64-byte line once; near a pass's end it asks for the first
+// blocks of the pass after it (V of the partition for pass 3, K of the next partition or of the
+// item its thread takes next, claimed in advance). Block tables are shuffled, so no hardware
+// prefetcher finds the blocks; and split that way the requests are spread over all the work, not
+// bunched in pass 1 (where K and V of a block were both asked for): Zen 4 host, K/V cold, 2
+// threads, A/B in one process, median of 9, us a layer: contiguous tables bf16 b16 ctx 128 64 ->
+// 57, b32 ctx 256 246 -> 207, b16 ctx 1024 708 -> 546, fp32 b16 ctx 256 320 -> 233; shuffled
+// tables bf16 b16 ctx 128 106 -> 100, b32 ctx 256 265 -> 270, b16 ctx 1024 564 -> 587, fp32 b16
+// ctx 256 328 -> 277; b1 equal (4 blocks ahead; 2 ahead without the split measured the same as 4).
 // On the Zen 4 host of 2026-12-06 that one prefetch per line replaced five (the next K block into
 // L1 and its V into L2, the far blocks into L2, the next V block into L1 again in pass 3): K/V
 // cold, 2 threads, A/B in one process, best of 9: bf16 b16 ctx 256 157 -> 140 us a layer, b32 330
 // -> 278, b16 ctx 1024 535 -> 461; fp32 b16 ctx 256 355 -> 279, b32 693 -> 589; b1 equal; and
 // making every prefetch an asm statement (prefetch_block) 141 -> 125 more (contiguous tables
-// 126 -> 107). On that host DRAM is ~190 ns away and a core keeps ~20 scattered lines in flight:
-// plain reads of the b16 ctx 256 layer's 3.1 MB of K/V in this kernel's order (shuffled 6 KB
-// blocks, one KV head's 128-byte rows) take ~146 us on 2 threads, ~106 us with this prefetch, and
-// the kernel ~110-125 us; contiguous tables, read whole blocks in order, ~76 us (the hardware
-// streamer).
+// 126 -> 107), before the split above. On that host DRAM is ~190 ns away and a core keeps ~20
+// scattered lines in flight: plain reads of the b16 ctx 256 layer's 3.1 MB of K/V in this
+// kernel's order (shuffled 6 KB blocks, one KV head's 128-byte rows) take ~146 us on 2 threads,
+// ~106 us with this prefetch, and the kernel ~110-125 us; contiguous tables, read whole blocks in
+// order, ~76 us (the hardware streamer).
 // Tried and not kept (2026-12-02, one thread, K/V cold, A/B in one process): reading each
 // partition's K/V blocks first in one burst of plain loads (every line, nothing between them),
 // then computing on them from L2: 1.1-1.18x on items over all KV heads (b16 ctx ~150 175 -> 155
 // us a layer) but 1.5-1.7x slower on one-head items (strided rows: b1 ctx 1024 50 -> 96 us), and
 // one-head items without it are faster still (137 us). With one-head items (the Zen 5 host of
 // then; on Zen 4 see above): dropping the near prefetches (next K block into L1, its V into L2)
-// 1.4-1.6x slower cold; one prefetch per 128 B
-// (leaving the pair's other line to the hardware) 1.7-2x slower; the far prefetch with the T0 or
+// 1.4-1.6x slower cold; one prefetch per 128 B (leaving the pair's other line to the hardware)
+// 1.7-2x slower; the far prefetch with the T0 or
 // T2 hint, or PDSERVE_ATTN_L2_AHEAD 2, 3, 6: within noise of T1 and 4. With K/V in L2 the same
 // kernel takes ~0.6x the time (b16 ctx ~150, one thread: ~88 of ~140 us); of those 88, skipping
 // each part (timed, results discarded) saved P V ~17, scores ~12, softmax ~17: the remaining ~50
@@ -125,7 +132,7 @@ using pdserve_simd::load8;
 #define PDSERVE_ATTN_PARTITION 512
 #endif
 #ifndef PDSERVE_ATTN_L2_AHEAD
-#define PDSERVE_ATTN_L2_AHEAD 2
+#define PDSERVE_ATTN_L2_AHEAD 4
 #endif
 #ifndef PDSERVE_ATTN_WHOLE_MIN_ROWS
 #define PDSERVE_ATTN_WHOLE_MIN_ROWS 16
@@ -1148,8 +1155,8 @@ template <typename Q, typename KV>
 bool try_tile(const Item&, const Call<Q, KV>&, TileScratch&) { return false; }
 #endif
 
-// Block j (counted from its first key) of item f, K and V of its KV heads, into L2; nothing past
-// its keys. The block tables are shuffled: without this every item started on a DRAM miss.
+// K of block j (counted from its first key) of item f, its KV heads, into L2; nothing past its
+// keys. The block tables are shuffled: without this every item started on a DRAM miss.
 template <typename Q, typename KV>
 void prefetch_first_blocks(const Item& f, int64_t j, const Call<Q, KV>& c) {
   const int bs = c.block_size;
@@ -1161,7 +1168,6 @@ void prefetch_first_blocks(const Item& f, int64_t j, const Call<Q, KV>& c) {
   const int n = static_cast<int>(std::min<int64_t>(bs, k_end - kb * bs));
   const int64_t span = (f.nh - 1) * c.cs[2] + c.d;
   prefetch_block(c.key_cache + at, c.cs[1], n, span);
-  prefetch_block(c.value_cache + at, c.cs[1], n, span);
 }
 
 template <typename Q, typename KV>
@@ -1226,6 +1232,14 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w, const Item* f
   const int64_t span = (nh - 1) * c.cs[2] + d;
   const int64_t ps = c.partition;   // scores row stride
   const int64_t kb_end = (k_end + bs - 1) / bs;   // the item's blocks: kb < kb_end
+  // Block kb of the item's heads of one cache (K or V) into L2, each line once. The K and V reads
+  // of a partition are apart (pass 1, pass 3), so each pass asks for what the next blocks of its
+  // own kind need and, near its end, for the first blocks of the pass after it: the requests are
+  // spread over all the item's work, not bunched in pass 1.
+  const auto ask = [&](const KV* cache, int64_t kb) {
+    const int64_t at = table[kb] * c.cs[0] + static_cast<int64_t>(it.h0) * c.cs[2];
+    prefetch_block(cache + at, c.cs[1], static_cast<int>(std::min<int64_t>(bs, k_end - kb * bs)), span);
+  };
   for (int64_t p0 = it.k0; p0 < k_end; p0 += c.partition) {
     const int64_t p1 = std::min<int64_t>(p0 + c.partition, k_end);
     const int64_t kb0 = p0 / bs, kb1 = (p1 + bs - 1) / bs;
@@ -1233,16 +1247,11 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w, const Item* f
     for (int64_t kb = kb0; kb < kb1; ++kb) {
       const int64_t base = kb * bs;
       const int n = static_cast<int>(std::min<int64_t>(bs, p1 - base));
-      // K and V l2_ahead blocks on into L2, each line once (at the item's first block: the ones before too)
+      // K l2_ahead blocks on (at the item's first block: the ones before too); past the
+      // partition's last block, V of its first blocks, for pass 3
       for (int64_t far = kb == it.k0 / bs ? kb + 1 : kb + c.l2_ahead; far <= kb + c.l2_ahead; ++far) {
-        if (far < kb_end) {
-          const int64_t at = table[far] * c.cs[0] + static_cast<int64_t>(it.h0) * c.cs[2];
-          const int n_far = static_cast<int>(std::min<int64_t>(bs, k_end - far * bs));
-          prefetch_block(c.key_cache + at, c.cs[1], n_far, span);
-          prefetch_block(c.value_cache + at, c.cs[1], n_far, span);
-        } else if (following != nullptr) {   // past the item's end: the first blocks of this thread's next item
-          prefetch_first_blocks(*following, far - kb_end, c);
-        }
+        if (far < kb1) ask(c.key_cache, far);
+        else if (kb0 + far - kb1 < kb1) ask(c.value_cache, kb0 + far - kb1);
       }
       for (int hh = 0; hh < nh; ++hh) {
         const int64_t off = table[kb] * c.cs[0] + static_cast<int64_t>(it.h0 + hh) * c.cs[2];
@@ -1286,7 +1295,14 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w, const Item* f
           live_rows = r + 1;
       }
     if (live_rows == 0) continue;
-    // 3. values (asked for into L2 in pass 1)
+    // 3. values. Each block asks for V l2_ahead blocks on; past the partition's last block, K of
+    // the next partition's first blocks, or of the item this thread takes next.
+    const auto ask_ahead = [&](int64_t kb) {
+      const int64_t far = kb + c.l2_ahead;
+      if (far < kb1) ask(c.value_cache, far);
+      else if (far < kb_end) ask(c.key_cache, far);
+      else if (following != nullptr) prefetch_first_blocks(*following, far - kb_end, c);
+    };
 #if defined(__AVX512BF16__)
     if (native_pv) {
       for (int hh = 0; hh < nh; ++hh) {
@@ -1297,6 +1313,7 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w, const Item* f
       for (int64_t kb = kb0; kb < kb1; ++kb) {
         const int64_t base = kb * bs;
         const int n = static_cast<int>(std::min<int64_t>(bs, p1 - base));
+        ask_ahead(kb);
         for (int hh = 0; hh < nh; ++hh) {
           const int64_t off = table[kb] * c.cs[0] + static_cast<int64_t>(it.h0 + hh) * c.cs[2];
           const size_t hr0 = static_cast<size_t>(hh) * rows;
@@ -1320,6 +1337,7 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w, const Item* f
     for (int64_t kb = kb0; kb < kb1; ++kb) {
       const int64_t base = kb * bs;
       const int n = static_cast<int>(std::min<int64_t>(bs, p1 - base));
+      ask_ahead(kb);
       for (int hh = 0; hh < nh; ++hh) {
         const int64_t off = table[kb] * c.cs[0] + static_cast<int64_t>(it.h0 + hh) * c.cs[2];
         const size_t hr0 = static_cast<size_t>(hh) * rows;
