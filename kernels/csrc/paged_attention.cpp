@@ -50,6 +50,12 @@
 // kernel's order (shuffled 6 KB blocks, one KV head's 128-byte rows) take ~146 us on 2 threads,
 // ~106 us with this prefetch, and the kernel ~110-125 us; contiguous tables, read whole blocks in
 // order, ~76 us (the hardware streamer).
+// Tried and not kept (2026-12-06, the Zen 4 host, 2 threads, K/V cold, A/B in one process): one
+// item over all KV heads for decode (each block one contiguous 6 KB range, which plain reads of
+// contiguous tables stream at ~41 GB/s through the hardware prefetcher): b16 ctx 256 1.3-1.5x
+// slower than one-head items, with or without software prefetches for blocks adjacent to the
+// previous one; V also asked for in pass 1 (as well as in pass 3): equal with shuffled tables,
+// 1.05-1.2x slower with contiguous ones; the prefetch 8 blocks ahead instead of 4: equal.
 // Tried and not kept (2026-12-02, one thread, K/V cold, A/B in one process): reading each
 // partition's K/V blocks first in one burst of plain loads (every line, nothing between them),
 // then computing on them from L2: 1.1-1.18x on items over all KV heads (b16 ctx ~150 175 -> 155
