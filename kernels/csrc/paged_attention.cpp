@@ -367,6 +367,9 @@ inline void scores_native(const uint32_t* qb, int rows, const at::BFloat16* k, i
     default: break;
   }
 }
+#else
+// Never called without AVX512-BF16 (native_bf16 is false there).
+inline void scores_native(const uint32_t*, int, const at::BFloat16*, int64_t, int, int, float, float*, int64_t) {}
 #endif
 
 // Whether the query . key products run as bf16 dot products (AVX512-BF16, d in {32, 64, 128}):
@@ -1281,13 +1284,9 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w, const Item* f
         }
         const float ks = native ? c.scale * head_scale(c.k_scale, c.scale_heads, it.h0 + hh) : 1.f;
         float* s = w.s.data() + static_cast<size_t>(hh) * rows * ps + (base - p0);
-        if (native) {
-#if defined(__AVX512BF16__)
-          scores_native(w.qb.data() + hh * qbs, rows, kb, ld, n, d, ks, s, ps);
-#endif
-        } else {
+        if (native) scores_native(w.qb.data() + hh * qbs, rows, kb, ld, n, d, ks, s, ps);
+        else
           for (int r = 0; r < rows; ++r) scores(w.q.data() + (static_cast<size_t>(hh) * rows + r) * d, kf, ld, n, d, s + r * ps);
-        }
       }
     }
     // 2. softmax; rows of a tile past the partition's keys (causal) are skipped in pass 3
