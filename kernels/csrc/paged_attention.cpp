@@ -63,8 +63,8 @@
 // one-head items without it are faster still (137 us). With one-head items (the Zen 5 host of
 // then; on Zen 4 see above): dropping the near prefetches (next K block into L1, its V into L2)
 // 1.4-1.6x slower cold; one prefetch per 128 B (leaving the pair's other line to the hardware)
-// 1.7-2x slower; the far prefetch with the T0 or
-// T2 hint, or PDSERVE_ATTN_L2_AHEAD 2, 3, 6: within noise of T1 and 4. With K/V in L2 the same
+// 1.7-2x slower; the far prefetch with the T0 or T2 hint, or PDSERVE_ATTN_L2_AHEAD 2, 3, 6:
+// within noise of T1 and 4 (those runs predate the asm prefetch below). With K/V in L2 the same
 // kernel takes ~0.6x the time (b16 ctx ~150, one thread: ~88 of ~140 us); of those 88, skipping
 // each part (timed, results discarded) saved P V ~17, scores ~12, softmax ~17: the remaining ~50
 // are the prefetch instructions, the P packing and the per-block bookkeeping. Split-K in runs of
