@@ -12,12 +12,13 @@ the keys in partitions of 512, with a two-pass softmax inside a partition and on
 between them. Prefill tiles (16-48 rows per KV head, bf16 queries over a bf16 or FP8 cache): QK^T
 and PV as two bf16 GEMMs (vdpbf16ps) with the query rows in the vector lanes, K read in place, P
 rounded to bf16, online softmax per 64 keys. Decode and short rows with bf16 queries over a bf16
-or FP8 cache: QK^T as bf16 dot products, PV as bf16 pair dot products (P split into bf16 hi + lo,
-so P keeps ~2^-17), and K/V asked into L2 four blocks ahead (shuffled block tables defeat the
-hardware prefetcher; with one block ahead decode waited on DRAM ~2/3 of its time).
-``PDSERVE_ATTN_DECODE=fp32`` (read at each call) restores the earlier fp32 PV and one-block
-prefetch, for A/B runs (``pdserve bench attention``) and as a fallback. fp32 accumulation; AVX-512 / AVX512-BF16 where the
-CPU has them, a portable path otherwise.
+or FP8 cache: QK^T as bf16 dot products (4 keys side by side in the 128-bit lanes, so a key's sum
+is over 4 lanes and the K transposes serve every query head of the KV head), PV as bf16 pair dot
+products (P split into bf16 hi + lo, so P keeps ~2^-17), K asked into L2 four blocks ahead while
+the scores run and V while P V runs, each line once (shuffled block tables defeat the hardware
+prefetcher). ``PDSERVE_ATTN_DECODE=fp32`` (read at each call) restores the earlier fp32 PV with
+K/V asked for one block ahead, for A/B runs (``pdserve bench attention``) and as a fallback.
+fp32 accumulation; AVX-512 / AVX512-BF16 where the CPU has them, a portable path otherwise.
 FP8 E4M3 caches are dequantized in the kernel with their per-layer or per-KV-head scales, so
 prefill and decode read the same quantized bytes. No reference groups are built
 (``metadata_groups = "none"``).
@@ -34,6 +35,13 @@ K/V cold): b16 ctx 256 355 -> 255 us a layer, b16 ctx 1024 1389 -> 964, b32 ctx 
 b32 ctx 1024 2721 -> 1932 (1.39-1.44x; 9 -> 13 GB/s of K/V), 4-token verification runs 1.24x;
 an FP8 cache 1.07-1.15x, and then 1.16-1.28x more from converting its blocks to bf16 by bit moves
 instead of through fp32.
+
+Decode on the 2-core Zen 4 host of 2026-12-06 (bf16, K/V cold, 2 threads; the csrc header has
+the A/B figures): DRAM ~190 ns away and ~20 scattered lines in flight a core make decode
+attention memory-bound there: b16 ctx 256 (3.1 MB of K/V) takes ~125-145 us a layer (wall) with
+shuffled tables, where plain reads of the same bytes in the same order with the same prefetch
+take ~106 us, and ~100-115 us with contiguous ones; that day's scores and prefetch changes took
+it from ~160-200 and ~125-165 us.
 
 Decode in the real step (2026-12-02, bf16 SmolLM2-135M, b16, shuffled tables, 2 threads, load 2-4,
 A/B in one process): with the KV cache on huge pages (engine/huge_pages.py) attention went 3.50 ->

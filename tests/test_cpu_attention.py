@@ -120,6 +120,24 @@ def test_decode_pv_modes_within_tolerance_of_fp32(cpu, monkeypatch, mode, head_d
     assert (got.float() - other.float()).abs().max().item() < 1.6e-2
 
 
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+@pytest.mark.parametrize("group", [1, 3, 5])
+def test_bf16_decode_rows_at_every_block_size_and_group(cpu, block_size, group):
+    """The decode and verification rows' bf16 scores (keys side by side in 128-bit lanes, rows of a
+    KV head in tiles of up to 4) at 1-15 rows per KV head: partial 16-key groups (block size 4, a
+    context ending inside a block), two 16-key groups per block (32), one to four row tiles; held
+    to the bf16 rule of test_bf16_within_tolerance_of_fp32."""
+    qlens = [q for q in (1, 2, 5, 15) if q * group < 16]   # below the prefill tile path's 16 rows
+    seqs = [(start, q) for start in (0, 13, 31, 50) for q in qlens]   # within the 640 tokens of block size 4
+    query, kc, vc, full, lean, args = case(seqs, block_size, kv_heads=3, group=group, head_dim=64, dtype=torch.bfloat16)
+    ref = get_attention_backend("torch")
+    exact = ref.paged_attention(query.float(), kc.float(), vc.float(), AttentionMetadata.build(*args), 0.125)
+    got = cpu.paged_attention(query, kc, vc, lean, 0.125)
+    err = (got.float() - exact).abs().max().item()
+    ref_err = (ref.paged_attention(query, kc, vc, full, 0.125).float() - exact).abs().max().item()
+    assert err < 1.6e-2 and err <= ref_err + 1e-6
+
+
 TILE_BATCHES = {
     # chunks of 16, 8 and 6 tokens: 16 to 48 rows per KV head at groups 1-3 (the kernel's prefill
     # tile path: one, two or three vectors of 16 rows), and rows below it (the row path)

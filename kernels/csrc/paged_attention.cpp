@@ -30,26 +30,48 @@
 //      dot products of P (split hi + lo) and V pairs read in place (pv_native); otherwise the V
 //      block converted to fp32 once and streamed through register tiles of up to 6 rows x
 //      head_dim accumulators.
-// Pass 1 also asks for K and V of the block PDSERVE_ATTN_L2_AHEAD (4) blocks on into L2 (and the
-// next K block into L1; past an item's last block, the first blocks of the item its thread takes
-// next, claimed in advance): block tables are shuffled, so no hardware prefetcher finds them, and with
-// the next block only decode spent about 2/3 of its time waiting on DRAM (one thread, b16 ctx 256:
-// 430 us a layer with K/V cold, 119 us with them in cache).
+// Each block of pass 1 asks for K of the block PDSERVE_ATTN_L2_AHEAD (4) blocks on into L2, and
+// each block of pass 3 for V, each 64-byte line once; near a pass's end it asks for the first
+// blocks of the pass after it (V of the partition for pass 3, K of the next partition or of the
+// item its thread takes next, claimed in advance). Block tables are shuffled, so no hardware
+// prefetcher finds the blocks; and split that way the requests are spread over all the work, not
+// bunched in pass 1 (where K and V of a block were both asked for): Zen 4 host, K/V cold, 2
+// threads, A/B in one process, median of 9, us a layer: contiguous tables bf16 b16 ctx 128 64 ->
+// 57, b32 ctx 256 246 -> 207, b16 ctx 1024 708 -> 546, fp32 b16 ctx 256 320 -> 233; shuffled
+// tables bf16 b16 ctx 128 106 -> 100, b32 ctx 256 265 -> 270, b16 ctx 1024 564 -> 587, fp32 b16
+// ctx 256 328 -> 277; b1 equal (4 blocks ahead; 2 ahead without the split measured the same as 4).
+// On the Zen 4 host of 2026-12-06 that one prefetch per line replaced five (the next K block into
+// L1 and its V into L2, the far blocks into L2, the next V block into L1 again in pass 3): K/V
+// cold, 2 threads, A/B in one process, best of 9: bf16 b16 ctx 256 157 -> 140 us a layer, b32 330
+// -> 278, b16 ctx 1024 535 -> 461; fp32 b16 ctx 256 355 -> 279, b32 693 -> 589; b1 equal; and
+// making every prefetch an asm statement (prefetch_block) 141 -> 125 more (contiguous tables
+// 126 -> 107), before the split above. On that host DRAM is ~190 ns away and a core keeps ~20
+// scattered lines in flight: plain reads of the b16 ctx 256 layer's 3.1 MB of K/V in this
+// kernel's order (shuffled 6 KB blocks, one KV head's 128-byte rows) take ~146 us on 2 threads,
+// ~106 us with this prefetch, and the kernel ~110-125 us; contiguous tables, read whole blocks in
+// order, ~76 us (the hardware streamer).
+// Tried and not kept (2026-12-06, the Zen 4 host, 2 threads, K/V cold, A/B in one process): one
+// item over all KV heads for decode (each block one contiguous 6 KB range, which plain reads of
+// contiguous tables stream at ~41 GB/s through the hardware prefetcher): b16 ctx 256 1.3-1.5x
+// slower than one-head items, with or without software prefetches for blocks adjacent to the
+// previous one; V also asked for in pass 1 (as well as in pass 3): equal with shuffled tables,
+// 1.05-1.2x slower with contiguous ones; the prefetch 8 blocks ahead instead of 4: equal.
 // Tried and not kept (2026-12-02, one thread, K/V cold, A/B in one process): reading each
 // partition's K/V blocks first in one burst of plain loads (every line, nothing between them),
 // then computing on them from L2: 1.1-1.18x on items over all KV heads (b16 ctx ~150 175 -> 155
 // us a layer) but 1.5-1.7x slower on one-head items (strided rows: b1 ctx 1024 50 -> 96 us), and
-// one-head items without it are faster still (137 us). With one-head items: dropping the near
-// prefetches (next K block into L1, its V into L2) 1.4-1.6x slower cold; one prefetch per 128 B
-// (leaving the pair's other line to the hardware) 1.7-2x slower; the far prefetch with the T0 or
-// T2 hint, or PDSERVE_ATTN_L2_AHEAD 2, 3, 6: within noise of T1 and 4. With K/V in L2 the same
+// one-head items without it are faster still (137 us). With one-head items (the Zen 5 host of
+// then; on Zen 4 see above): dropping the near prefetches (next K block into L1, its V into L2)
+// 1.4-1.6x slower cold; one prefetch per 128 B (leaving the pair's other line to the hardware)
+// 1.7-2x slower; the far prefetch with the T0 or T2 hint, or PDSERVE_ATTN_L2_AHEAD 2, 3, 6:
+// within noise of T1 and 4 (those runs predate the asm prefetch below). With K/V in L2 the same
 // kernel takes ~0.6x the time (b16 ctx ~150, one thread: ~88 of ~140 us); of those 88, skipping
 // each part (timed, results discarded) saved P V ~17, scores ~12, softmax ~17: the remaining ~50
 // are the prefetch instructions, the P packing and the per-block bookkeeping. Split-K in runs of
 // whole blocks (so a b1 context under two partitions also splits, 3 KV heads on 2 threads):
 // b1 ctx ~150 12.3 -> 12.8 us, ~700 26 -> 24, 64, 300 and 1024 equal (two threads): not kept.
-// PDSERVE_ATTN_DECODE=fp32 (read at each call) restores the fp32 P V and the one-block prefetch:
-// the earlier kernel, kept for A/B measurements (bench/attention.py) and as a fallback.
+// PDSERVE_ATTN_DECODE=fp32 (read at each call) restores the fp32 P V with K/V asked for one block
+// ahead: the earlier kernel, kept for A/B measurements (bench/attention.py) and as a fallback.
 // This is the two-pass softmax within a partition and FlashAttention's online rescaling between
 // partitions (Milakov & Gimelshein 2018; Dao et al. 2022). The earlier kernel did the online step
 // per 16-key block and row (max, exp, sum, rescale in one dependency chain per block), which bound
@@ -108,22 +130,15 @@ using pdserve_simd::load8;
 
 // Tuning knobs (-D to measure variants): rows per KV head of one item (16 queries at G = 3); keys
 // per partition (rounded to whole blocks; 512 measured 0-10% faster than 256 for decode at 2
-// threads, 128 slower); whether pass 1 also asks for the next V block (into L2: without it
-// decode is 5-15% slower); how many blocks ahead the prefetches go.
+// threads, 128 slower); how many blocks ahead pass 1 asks for K and V.
 #ifndef PDSERVE_ATTN_TILE_ROWS
 #define PDSERVE_ATTN_TILE_ROWS 48
 #endif
 #ifndef PDSERVE_ATTN_PARTITION
 #define PDSERVE_ATTN_PARTITION 512
 #endif
-#ifndef PDSERVE_ATTN_PREFETCH_AHEAD
-#define PDSERVE_ATTN_PREFETCH_AHEAD 1
-#endif
 #ifndef PDSERVE_ATTN_L2_AHEAD
 #define PDSERVE_ATTN_L2_AHEAD 4
-#endif
-#ifndef PDSERVE_ATTN_EARLY_V_PREFETCH
-#define PDSERVE_ATTN_EARLY_V_PREFETCH 1
 #endif
 #ifndef PDSERVE_ATTN_WHOLE_MIN_ROWS
 #define PDSERVE_ATTN_WHOLE_MIN_ROWS 16
@@ -158,21 +173,21 @@ inline void load_block(float* dst, const T* src, int64_t stride, int n, int d) {
   }
 }
 
-// Ask for a block's rows (span elements from each of n tokens, stride apart) before they are
-// needed: the blocks of a sequence are scattered, so the hardware prefetcher cannot guess them.
-// Rows that follow each other (span == stride: every KV head of the block) are one range.
+// Ask for a block's rows (span elements from each of n tokens, stride apart) into L2 before they
+// are needed: the blocks of a sequence are scattered, so the hardware prefetcher cannot guess
+// them. Rows that follow each other (span == stride: every KV head of the block) are one range.
+// prefetcht1 as an asm statement: gcc 12 drops _mm_prefetch loops as dead code when they run
+// under a run-time condition (here half the call sites: the item's next blocks vs the next
+// item's first ones; the asm statement kept all four, decode 1.1-1.2x faster cold).
 template <typename T>
-inline void prefetch_block(const T* src, int64_t stride, int n, int64_t span, int hint) {
+inline void prefetch_block(const T* src, int64_t stride, int n, int64_t span) {
 #if defined(__AVX512F__) || defined(__SSE__)
   const int64_t bytes = span * static_cast<int64_t>(sizeof(T));
   const int rows = span == stride ? 1 : n;
   const int64_t row_bytes = span == stride ? bytes * n : bytes;
   for (int t = 0; t < rows; ++t) {
     const char* row = reinterpret_cast<const char*>(src + t * stride);
-    if (hint == 0)
-      for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
-    else
-      for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T1);
+    for (int64_t off = 0; off < row_bytes; off += 64) asm volatile("prefetcht1 %0" : : "m"(row[off]));
   }
 #endif
 }
@@ -268,35 +283,93 @@ inline void load_block_fixed(float* dst, const T* src, int64_t stride, int n) {
 #endif
 
 #if defined(__AVX512BF16__)
-// bf16 query and bf16 keys: s[t] = scale * (q . k_t) with the AVX512-BF16 dot product (bf16 pairs
-// multiplied exactly, summed in fp32), read from the cache without conversion. head_dim = 32 NC2.
-template <int NC2>
-inline void scores_bf16(const at::BFloat16* q, const at::BFloat16* kc, int64_t ld, int n, float scale, float* s) {
-  __m512bh qv[NC2];
-  for (int c = 0; c < NC2; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
-  const __m512 vscale = _mm512_set1_ps(scale);
-  int t0 = 0;
-  for (; t0 + 16 <= n; t0 += 16) {   // whole groups of 16 keys: no per-key branch
-    __m512 a[16];
-    const at::BFloat16* k = kc + t0 * ld;
-    for (int t = 0; t < 16; ++t) {
-      a[t] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(k + t * ld));
-      for (int c = 1; c < NC2; ++c) a[t] = _mm512_dpbf16_ps(a[t], qv[c], (__m512bh)_mm512_loadu_si512(k + t * ld + 32 * c));
+// q [d] bf16 as d / 8 vectors at qb, chunk c (4 dwords, dims 8c .. 8c + 7) in all four 128-bit
+// lanes of vector c: the query side of scores_rows.
+inline void broadcast_chunks(const at::BFloat16* q, int d, uint32_t* qb) {
+  for (int c = 0; c < d / 8; ++c)
+    _mm512_storeu_si512(qb + 16 * c, _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 8 * c))));
+}
+
+// [t0 t1 t2 t3] of 128-bit chunks: r[j] = chunks 0..3 of key j -> kt[c] = chunk c of keys 0..3.
+inline void transpose_chunks(const __m512i* r, __m512i* kt) {
+  const __m512i x0 = _mm512_shuffle_i64x2(r[0], r[1], 0x44), x1 = _mm512_shuffle_i64x2(r[0], r[1], 0xEE);
+  const __m512i x2 = _mm512_shuffle_i64x2(r[2], r[3], 0x44), x3 = _mm512_shuffle_i64x2(r[2], r[3], 0xEE);
+  kt[0] = _mm512_shuffle_i64x2(x0, x2, 0x88);
+  kt[1] = _mm512_shuffle_i64x2(x0, x2, 0xDD);
+  kt[2] = _mm512_shuffle_i64x2(x1, x3, 0x88);
+  kt[3] = _mm512_shuffle_i64x2(x1, x3, 0xDD);
+}
+
+// s[i * ss + t] = scale * (q_i . k_t) for RB rows i and keys t < n <= 16 of one KV head: qb as
+// broadcast_chunks wrote it (rows D / 8 vectors apart), k_t = k + t * ld (bf16, read in place).
+// Keys g, g + 4, g + 8, g + 12 sit side by side in the 128-bit lanes of vector g (a 4 x 4
+// transpose of 128-bit chunks, 8 shuffles per 4 keys x 32 dims, shared by the RB rows), so
+// vdpbf16ps leaves each key 4 partial sums, and one 4-lane reduction of the 4 vectors puts key
+// g + 4 j (vector g, lane j) at position 4 j + g, in order: 9 instructions per row and 16 keys
+// where a 16-lane sum per row and key (a transpose-and-add tree) took 45, with K loaded once for
+// every row, not once per row. Keys at or past n read as zeros (never past the block).
+template <int D, int RB>
+inline void scores_rows(const uint32_t* qb, const at::BFloat16* k, int64_t ld, int n, float scale, float* s, int64_t ss) {
+  __m512 acc[RB][4];
+  for (int i = 0; i < RB; ++i)
+    for (int g = 0; g < 4; ++g) acc[i][g] = _mm512_setzero_ps();
+  for (int cg = 0; cg < D / 32; ++cg) {   // 32 dims (4 chunks, one 64-byte load per key) at a time
+    __m512i kt[4][4];
+    for (int g = 0; g < 4; ++g) {
+      __m512i r[4];
+      for (int j = 0; j < 4; ++j) r[j] = g + 4 * j < n ? _mm512_loadu_si512(k + (g + 4 * j) * ld + 32 * cg) : _mm512_setzero_si512();
+      transpose_chunks(r, kt[g]);
     }
-    _mm512_storeu_ps(s + t0, _mm512_mul_ps(reduce16(a), vscale));
+    for (int i = 0; i < RB; ++i)
+      for (int c = 0; c < 4; ++c) {
+        const __m512bh q = (__m512bh)_mm512_loadu_si512(qb + (i * (D / 8) + 4 * cg + c) * 16);
+        for (int g = 0; g < 4; ++g) acc[i][g] = _mm512_dpbf16_ps(acc[i][g], (__m512bh)kt[g][c], q);
+      }
   }
-  if (t0 < n) {
-    const int m = n - t0;
-    __m512 a[16];
-    for (int t = 0; t < 16; ++t) {
-      a[t] = _mm512_setzero_ps();
-      if (t >= m) continue;
-      const at::BFloat16* k = kc + (t0 + t) * ld;
-      for (int c = 0; c < NC2; ++c) a[t] = _mm512_dpbf16_ps(a[t], qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
-    }
-    _mm512_mask_storeu_ps(s + t0, tail_mask(m), _mm512_mul_ps(reduce16(a), vscale));
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int i = 0; i < RB; ++i) {
+    const __m512 b0 = _mm512_add_ps(_mm512_unpacklo_ps(acc[i][0], acc[i][1]), _mm512_unpackhi_ps(acc[i][0], acc[i][1]));
+    const __m512 b1 = _mm512_add_ps(_mm512_unpacklo_ps(acc[i][2], acc[i][3]), _mm512_unpackhi_ps(acc[i][2], acc[i][3]));
+    const __m512 sum = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(b0), _mm512_castps_pd(b1))),
+                                     _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(b0), _mm512_castps_pd(b1))));
+    _mm512_mask_storeu_ps(s + i * ss, tail_mask(n), _mm512_mul_ps(sum, vscale));
   }
 }
+
+// scores_rows for rows r < rows (qb rows D / 8 vectors apart, s rows ss apart) over n keys of one
+// block, 16 keys and up to 4 rows (16 accumulators beside 16 transposed K vectors) at a time.
+template <int D>
+inline void scores_block(const uint32_t* qb, int rows, const at::BFloat16* k, int64_t ld, int n, float scale, float* s,
+                         int64_t ss) {
+  for (int t0 = 0; t0 < n; t0 += 16) {
+    const int m = std::min(16, n - t0);
+    for (int r = 0; r < rows; r += 4) {
+      const uint32_t* q = qb + static_cast<size_t>(r) * (D / 8) * 16;
+      const at::BFloat16* kt = k + t0 * ld;
+      float* out = s + r * ss + t0;
+      switch (std::min(4, rows - r)) {
+        case 4: scores_rows<D, 4>(q, kt, ld, m, scale, out, ss); break;
+        case 3: scores_rows<D, 3>(q, kt, ld, m, scale, out, ss); break;
+        case 2: scores_rows<D, 2>(q, kt, ld, m, scale, out, ss); break;
+        default: scores_rows<D, 1>(q, kt, ld, m, scale, out, ss); break;
+      }
+    }
+  }
+}
+
+// scores_block for head_dim d in {32, 64, 128}.
+inline void scores_native(const uint32_t* qb, int rows, const at::BFloat16* k, int64_t ld, int n, int d, float scale,
+                          float* s, int64_t ss) {
+  switch (d) {
+    case 64: return scores_block<64>(qb, rows, k, ld, n, scale, s, ss);
+    case 128: return scores_block<128>(qb, rows, k, ld, n, scale, s, ss);
+    case 32: return scores_block<32>(qb, rows, k, ld, n, scale, s, ss);
+    default: break;
+  }
+}
+#else
+// Never called without AVX512-BF16 (native_bf16 is false there).
+inline void scores_native(const uint32_t*, int, const at::BFloat16*, int64_t, int, int, float, float*, int64_t) {}
 #endif
 
 // Whether the query . key products run as bf16 dot products (AVX512-BF16, d in {32, 64, 128}):
@@ -311,21 +384,6 @@ inline bool native_bf16(int d) {
 #endif
   (void)d;
   return false;
-}
-
-template <typename Q>
-inline void scores_native(const Q* q, const at::BFloat16* kc, int64_t ld, int n, int d, float scale, float* s) {
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<Q, at::BFloat16>) {
-    switch (d) {
-      case 64: return scores_bf16<2>(q, kc, ld, n, scale, s);
-      case 128: return scores_bf16<4>(q, kc, ld, n, scale, s);
-      case 32: return scores_bf16<1>(q, kc, ld, n, scale, s);
-      default: break;
-    }
-  }
-#endif
-  (void)q, (void)kc, (void)ld, (void)n, (void)d, (void)scale, (void)s;
 }
 
 // dst[t * d + i] = src[t * stride + i] as bf16 (exact for E4M3), t < n, d a multiple of 16.
@@ -570,7 +628,7 @@ struct Call {
   float* partial;          // [slots][rows_max][d + 2]: acc, m, l
   int64_t partial_rows;
   bool fp32_pv;            // PDSERVE_ATTN_DECODE=fp32: decode P V in fp32 as before the bf16 pairs (A/B, fallback)
-  int l2_ahead;            // how many blocks ahead pass 1 asks for K and V into L2 (<= 1: the next block only)
+  int l2_ahead;            // how many blocks ahead pass 1 asks for K and V into L2 (>= 1)
   bool amx;                // prefill tiles' QK^T on AMX where the CPU has it (PDSERVE_ATTN_AMX=0: not, for A/B and tests)
 };
 
@@ -581,6 +639,7 @@ struct Scratch {
   std::vector<float> q, acc, m, l, s, kf, vf;
   std::vector<at::BFloat16> kb, vb;   // an FP8 K / V block as bf16
   std::vector<uint32_t> p2;           // P rows as bf16 pairs of keys (the native P V)
+  std::vector<uint32_t> qb;           // the native rows' queries as broadcast_chunks writes them
   std::vector<int64_t> row_off;   // offset of each row's query (and output) vector, per head and row
   std::vector<int64_t> limit;     // each row's causal limit: keys < limit are visible
 };
@@ -1105,8 +1164,8 @@ template <typename Q, typename KV>
 bool try_tile(const Item&, const Call<Q, KV>&, TileScratch&) { return false; }
 #endif
 
-// Block j (counted from its first key) of item f, K and V of its KV heads, into L2; nothing past
-// its keys. The block tables are shuffled: without this every item started on a DRAM miss.
+// K of block j (counted from its first key) of item f, its KV heads, into L2; nothing past its
+// keys. The block tables are shuffled: without this every item started on a DRAM miss.
 template <typename Q, typename KV>
 void prefetch_first_blocks(const Item& f, int64_t j, const Call<Q, KV>& c) {
   const int bs = c.block_size;
@@ -1117,8 +1176,7 @@ void prefetch_first_blocks(const Item& f, int64_t j, const Call<Q, KV>& c) {
   const int64_t at = c.block_tables[f.b * c.bt_stride + kb] * c.cs[0] + static_cast<int64_t>(f.h0) * c.cs[2];
   const int n = static_cast<int>(std::min<int64_t>(bs, k_end - kb * bs));
   const int64_t span = (f.nh - 1) * c.cs[2] + c.d;
-  prefetch_block(c.key_cache + at, c.cs[1], n, span, 1);
-  prefetch_block(c.value_cache + at, c.cs[1], n, span, 1);
+  prefetch_block(c.key_cache + at, c.cs[1], n, span);
 }
 
 template <typename Q, typename KV>
@@ -1156,6 +1214,16 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w, const Item* f
       w.row_off[static_cast<size_t>(hh) * rows + r] =
           (first + it.q0 + r / group) * c.q_tok + (static_cast<int64_t>(it.h0 + hh) * group + r % group) * c.q_head;
   auto q_row = [&](int hh, int r) { return c.query + w.row_off[static_cast<size_t>(hh) * rows + r]; };
+  const int64_t qbs = static_cast<int64_t>(rows) * (d / 8) * 16;   // dwords of w.qb per head
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<Q, at::BFloat16>) {
+    if (native) {
+      w.qb.resize(nh * qbs);
+      for (int hh = 0; hh < nh; ++hh)
+        for (int r = 0; r < rows; ++r) broadcast_chunks(q_row(hh, r), d, w.qb.data() + hh * qbs + r * (d / 8) * 16);
+    }
+  }
+#endif
   if (!native) {   // fp32 rows, scale (and an FP8 cache's K scale) folded in
     w.q.resize(all_rows * d);
     for (int hh = 0; hh < nh; ++hh) {
@@ -1173,6 +1241,14 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w, const Item* f
   const int64_t span = (nh - 1) * c.cs[2] + d;
   const int64_t ps = c.partition;   // scores row stride
   const int64_t kb_end = (k_end + bs - 1) / bs;   // the item's blocks: kb < kb_end
+  // Block kb of the item's heads of one cache (K or V) into L2, each line once. The K and V reads
+  // of a partition are apart (pass 1, pass 3), so each pass asks for what the next blocks of its
+  // own kind need and, near its end, for the first blocks of the pass after it: the requests are
+  // spread over all the item's work, not bunched in pass 1.
+  const auto ask = [&](const KV* cache, int64_t kb) {
+    const int64_t at = table[kb] * c.cs[0] + static_cast<int64_t>(it.h0) * c.cs[2];
+    prefetch_block(cache + at, c.cs[1], static_cast<int>(std::min<int64_t>(bs, k_end - kb * bs)), span);
+  };
   for (int64_t p0 = it.k0; p0 < k_end; p0 += c.partition) {
     const int64_t p1 = std::min<int64_t>(p0 + c.partition, k_end);
     const int64_t kb0 = p0 / bs, kb1 = (p1 + bs - 1) / bs;
@@ -1180,25 +1256,11 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w, const Item* f
     for (int64_t kb = kb0; kb < kb1; ++kb) {
       const int64_t base = kb * bs;
       const int n = static_cast<int>(std::min<int64_t>(bs, p1 - base));
-      if (kb + PDSERVE_ATTN_PREFETCH_AHEAD < kb1) {   // a later K block into L1, its V block into L2 for pass 3
-        const int64_t ahead = PDSERVE_ATTN_PREFETCH_AHEAD;
-        const int64_t next = table[kb + ahead] * c.cs[0] + static_cast<int64_t>(it.h0) * c.cs[2];
-        const int n_next = static_cast<int>(std::min<int64_t>(bs, p1 - base - ahead * bs));
-        prefetch_block(c.key_cache + next, c.cs[1], n_next, span, 0);
-        if (PDSERVE_ATTN_EARLY_V_PREFETCH) prefetch_block(c.value_cache + next, c.cs[1], n_next, span, 1);
-      }
-      if (c.l2_ahead > 1) {   // K and V l2_ahead blocks on into L2 (at the item's first block: the ones before too)
-        const int64_t from = kb == it.k0 / bs ? kb + 2 : kb + c.l2_ahead;
-        for (int64_t far = from; far <= kb + c.l2_ahead; ++far) {
-          if (far < kb_end) {
-            const int64_t at = table[far] * c.cs[0] + static_cast<int64_t>(it.h0) * c.cs[2];
-            const int n_far = static_cast<int>(std::min<int64_t>(bs, k_end - far * bs));
-            prefetch_block(c.key_cache + at, c.cs[1], n_far, span, 1);
-            prefetch_block(c.value_cache + at, c.cs[1], n_far, span, 1);
-          } else if (following != nullptr) {   // past the item's end: the first blocks of this thread's next item
-            prefetch_first_blocks(*following, far - kb_end, c);
-          }
-        }
+      // K l2_ahead blocks on (at the item's first block: the ones before too); past the
+      // partition's last block, V of its first blocks, for pass 3
+      for (int64_t far = kb == it.k0 / bs ? kb + 1 : kb + c.l2_ahead; far <= kb + c.l2_ahead; ++far) {
+        if (far < kb1) ask(c.key_cache, far);
+        else if (kb0 + far - kb1 < kb1) ask(c.value_cache, kb0 + far - kb1);
       }
       for (int hh = 0; hh < nh; ++hh) {
         const int64_t off = table[kb] * c.cs[0] + static_cast<int64_t>(it.h0 + hh) * c.cs[2];
@@ -1221,11 +1283,10 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w, const Item* f
           kf = w.kf.data();
         }
         const float ks = native ? c.scale * head_scale(c.k_scale, c.scale_heads, it.h0 + hh) : 1.f;
-        for (int r = 0; r < rows; ++r) {
-          float* s = w.s.data() + (static_cast<size_t>(hh) * rows + r) * ps + (base - p0);
-          if (native) scores_native(q_row(hh, r), kb, ld, n, d, ks, s);
-          else scores(w.q.data() + (static_cast<size_t>(hh) * rows + r) * d, kf, ld, n, d, s);
-        }
+        float* s = w.s.data() + static_cast<size_t>(hh) * rows * ps + (base - p0);
+        if (native) scores_native(w.qb.data() + hh * qbs, rows, kb, ld, n, d, ks, s, ps);
+        else
+          for (int r = 0; r < rows; ++r) scores(w.q.data() + (static_cast<size_t>(hh) * rows + r) * d, kf, ld, n, d, s + r * ps);
       }
     }
     // 2. softmax; rows of a tile past the partition's keys (causal) are skipped in pass 3
@@ -1239,12 +1300,13 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w, const Item* f
           live_rows = r + 1;
       }
     if (live_rows == 0) continue;
-    // 3. values; both P V paths read block kb while the V block PDSERVE_ATTN_PREFETCH_AHEAD on comes into L1
-    const auto prefetch_v_ahead = [&](int64_t kb) {
-      const int64_t ahead = PDSERVE_ATTN_PREFETCH_AHEAD;
-      if (kb + ahead >= kb1) return;
-      const int64_t next = table[kb + ahead] * c.cs[0] + static_cast<int64_t>(it.h0) * c.cs[2];
-      prefetch_block(c.value_cache + next, c.cs[1], static_cast<int>(std::min<int64_t>(bs, p1 - (kb + ahead) * bs)), span, 0);
+    // 3. values. Each block asks for V l2_ahead blocks on; past the partition's last block, K of
+    // the next partition's first blocks, or of the item this thread takes next.
+    const auto ask_ahead = [&](int64_t kb) {
+      const int64_t far = kb + c.l2_ahead;
+      if (far < kb1) ask(c.value_cache, far);
+      else if (far < kb_end) ask(c.key_cache, far);
+      else if (following != nullptr) prefetch_first_blocks(*following, far - kb_end, c);
     };
 #if defined(__AVX512BF16__)
     if (native_pv) {
@@ -1256,7 +1318,7 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w, const Item* f
       for (int64_t kb = kb0; kb < kb1; ++kb) {
         const int64_t base = kb * bs;
         const int n = static_cast<int>(std::min<int64_t>(bs, p1 - base));
-        prefetch_v_ahead(kb);
+        ask_ahead(kb);
         for (int hh = 0; hh < nh; ++hh) {
           const int64_t off = table[kb] * c.cs[0] + static_cast<int64_t>(it.h0 + hh) * c.cs[2];
           const size_t hr0 = static_cast<size_t>(hh) * rows;
@@ -1280,7 +1342,7 @@ void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w, const Item* f
     for (int64_t kb = kb0; kb < kb1; ++kb) {
       const int64_t base = kb * bs;
       const int n = static_cast<int>(std::min<int64_t>(bs, p1 - base));
-      prefetch_v_ahead(kb);
+      ask_ahead(kb);
       for (int hh = 0; hh < nh; ++hh) {
         const int64_t off = table[kb] * c.cs[0] + static_cast<int64_t>(it.h0 + hh) * c.cs[2];
         const size_t hr0 = static_cast<size_t>(hh) * rows;
@@ -1428,7 +1490,7 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, 
   const char* decode_mode = std::getenv("PDSERVE_ATTN_DECODE");
   c.fp32_pv = decode_mode != nullptr && std::strcmp(decode_mode, "fp32") == 0;
   const char* l2 = std::getenv("PDSERVE_ATTN_L2_AHEAD");   // a tuning knob for A/B runs (2 and 8 measured as 4)
-  c.l2_ahead = c.fp32_pv ? 1 : (l2 != nullptr ? std::atoi(l2) : PDSERVE_ATTN_L2_AHEAD);
+  c.l2_ahead = c.fp32_pv ? 1 : std::max(1, l2 != nullptr ? std::atoi(l2) : PDSERVE_ATTN_L2_AHEAD);
   const char* amx = std::getenv("PDSERVE_ATTN_AMX");
   c.amx = amx == nullptr || std::strcmp(amx, "0") != 0;
   const int64_t n_items = static_cast<int64_t>(items.size());
