@@ -6,18 +6,23 @@ For each thread count (``--threads``, default 1 and all available cores) it meas
 - the machine: GEMM peak FLOP/s per dtype (``torch.mm`` on --gemm-size cubes) and memory
   bandwidth (a --memcpy-mib tensor copied with ``Tensor.copy_``; bytes read + written per
   second, the STREAM "copy" convention);
-- the runtime, per dtype (``--dtypes``, default float32 and bfloat16): prefill tok/s of one
-  --prompt-tokens prompt, and decode ms/step (forward + argmax) at each --batch-sizes with
-  --context tokens of context per sequence;
+- the runtime, per configuration: each dtype (``--dtypes``, default float32 and bfloat16) with
+  each ``--quantization`` method (default none) and each ``--kv-cache-dtype`` (default auto),
+  e.g. ``--dtypes bfloat16 --quantization none,int8,fp8 --kv-cache-dtype auto,fp8_e4m3`` for six
+  rows: prefill tok/s of one --prompt-tokens prompt, and decode ms/step (forward + argmax) at
+  each --batch-sizes with --context tokens of context per sequence;
 - the floors, and the fraction of the floor reached (floor time / measured time):
   prefill floor = FLOPs / GEMM peak (FLOPs = 2 x non-embedding params x tokens + causal
   attention); decode floor = roofline max((weight bytes + KV bytes read) / bandwidth,
   FLOPs / GEMM peak): a decode step streams every weight once and every sequence's K/V
   (--context tokens each, all layers) once, so the memory term counts both; the GEMM term
   takes over once a batch makes the step compute-bound. The JSON keeps the weights-only
-  figure beside it (``weights_floor_ms``) and both byte counts.
+  figure beside it (``weights_floor_ms``) and both byte counts. A quantized configuration's
+  memory floor counts the bytes it reads (int8/E4M3 weights, an E4M3 cache); its compute floor
+  is still its dtype's GEMM peak (no 8-bit GEMM probe here), which an int8 kernel may beat: a
+  fraction above 100% says so.
 
-Timing is wall clock, the dtypes alternating repeat by repeat (a shared machine's load then
+Timing is wall clock, the configurations alternating repeat by repeat (a shared machine's load then
 lands on both alike). Decode is timed in its steady state: DECODE_WARMUP steps per dtype first,
 then each repeat runs DECODE_RUN consecutive steps of one dtype (the first step after another
 dtype's finds its caches and allocator state evicted), best (and median) over all timed steps;
@@ -59,9 +64,15 @@ def command(
     gemm_size: int = typer.Option(1536, "--gemm-size", min=64, help="M = N = K of the GEMM-peak probe."),
     memcpy_mib: int = typer.Option(512, "--memcpy-mib", min=1, help="Size of the bandwidth probe's tensor."),
     vs_transformers: bool = typer.Option(False, "--vs-transformers", help="Also time transformers (fp32)."),
+    quantization: str = typer.Option("none", "--quantization",
+                                     help="Comma-separated linear methods (none, int8, fp8): a row each, per dtype."),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype",
+                                       help="Comma-separated KV-cache dtypes (auto, fp8_e4m3): a row each, per dtype."),
 ) -> None:
     """Prefill tok/s and decode ms/step per dtype, beside GEMM-peak and bandwidth floors."""
-    names = _parse_dtypes(dtypes)
+    dtype_names = _parse_dtypes(dtypes)
+    configs = _configs(dtype_names, quantization, kv_cache_dtype)
+    names = list(configs)
     counts = _parse_threads(threads)
     sizes = int_list(batch_sizes, "--batch-sizes")
     import torch
@@ -71,17 +82,18 @@ def command(
     load_before = _load()
     print(f"machine: {platform.machine_summary()}; torch {torch.__version__} kernels "
           f"{platform.torch_cpu_capability()}; load {load_before}", flush=True)
-    runners, tokens = _load_runners(model, names, prompt_tokens, context, max(sizes), repeats)
+    runners, tokens = _load_runners(model, configs, prompt_tokens, context, max(sizes), repeats)
     hf = _load_transformers(runners) if vs_transformers else None
     from kernels.linear import kernel_summary
 
     for n, r in runners.items():   # chosen at load, by timing (kernels.linear); per bucket of 1/16/512 rows
-        print(f"linear kernels ({_SHORT.get(n, n)}; 1/16/512 rows): {kernel_summary(r.model)}", flush=True)
+        print(f"linear kernels ({_short(n)}; 1/16/512 rows): {kernel_summary(r.model)}", flush=True)
     first = next(iter(runners.values()))
     cfg = first.model_config
     result = {
         "model": cfg.name, "machine": _machine(), "load_before": load_before,
         "attention_backend": getattr(first.ops, "name", type(first.ops).__name__),
+        "configs": {n: dict(zip(("dtype", "quantization", "kv_cache_dtype"), c)) for n, c in configs.items()},
         "weight_bytes": {n: _weight_bytes(r) for n, r in runners.items()},
         "linear_kernels": {n: kernel_summary(r.model) for n, r in runners.items()},
         "timing": f"wall clock, dtypes alternating; decode: {DECODE_WARMUP} warm-up steps, then best (and median) "
@@ -90,7 +102,7 @@ def command(
     }
     for t in counts:
         torch.set_num_threads(t)
-        floors = _floors(names, gemm_size, memcpy_mib)
+        floors = _floors(dtype_names, gemm_size, memcpy_mib)
         run = {"threads": t, "floors": floors,
                "prefill": _prefill(runners, tokens[:prompt_tokens], floors, max(2, repeats // 2), hf),
                "decode": [_decode(runners, tokens, context, b, repeats, floors, hf) for b in sizes]}
@@ -120,6 +132,39 @@ def _parse_dtypes(text: str) -> list[str]:
     if not names:
         raise UserError(f"--dtypes {text!r}: give at least one of auto, float32, bfloat16, float16")
     return names
+
+
+def _configs(dtypes: list[str], quantization: str, kv_cache_dtype: str) -> dict[str, tuple[str, str, str]]:
+    """Every (dtype, quantization, kv_cache_dtype), by row name: the dtype alone for none/auto (the
+    JSON keys of unquantized runs stay the dtype), else e.g. ``bfloat16+int8``, ``bfloat16+kv:fp8_e4m3``."""
+    from engine.quantization import check_kv_cache_dtype, check_quantization
+
+    methods = [check_quantization(m) for m in _items(quantization, "--quantization")]
+    kvs = [check_kv_cache_dtype(k) for k in _items(kv_cache_dtype, "--kv-cache-dtype")]
+    out = {}
+    for d in dtypes:
+        for m in methods:
+            for k in kvs:
+                name = d + ("" if m == "none" else f"+{m}") + ("" if k == "auto" else f"+kv:{k}")
+                out[name] = (d, m, k)
+    return out
+
+
+def _items(text: str, option: str) -> list[str]:
+    items = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    if not items:
+        raise UserError(f"{option} {text!r}: give at least one value")
+    return items
+
+
+def _short(name: str) -> str:
+    """A row name as the table prints it: bf16+int8, fp32+kv:fp8."""
+    dtype, _, rest = name.partition("+")
+    return _SHORT.get(dtype, dtype[:12]) + ("+" + rest.replace("fp8_e4m3", "fp8") if rest else "")
+
+
+def _dtype_of(runner) -> str:
+    return str(runner.dtype).removeprefix("torch.")
 
 
 def _parse_threads(text: str | None) -> list[int]:
@@ -178,7 +223,8 @@ def _best(fn: Callable[[], object], repeats: int) -> float:
 
 # ---- the runtime -----------------------------------------------------------------------------
 
-def _load_runners(model: str, dtypes: list[str], prompt_tokens: int, context: int, max_batch: int, steps: int):
+def _load_runners(model: str, configs: dict[str, tuple[str, str, str]], prompt_tokens: int, context: int,
+                  max_batch: int, steps: int):
     import torch
 
     from engine.model_loader import load_tokenizer
@@ -186,7 +232,8 @@ def _load_runners(model: str, dtypes: list[str], prompt_tokens: int, context: in
 
     per_seq = -(-(context + _decode_steps(steps) + 4) // 16)
     blocks = max_batch * per_seq + -(-prompt_tokens // 16) + 1
-    runners = {n: ModelRunner(model, block_size=16, num_blocks=blocks, dtype=getattr(torch, n)) for n in dtypes}
+    runners = {n: ModelRunner(model, block_size=16, num_blocks=blocks, dtype=getattr(torch, d), quantization=q,
+                              kv_cache_dtype=k) for n, (d, q, k) in configs.items()}
     cfg = next(iter(runners.values())).model_config
     text = (SHARED_DATA / "wikitext-2-raw-test.txt").read_text()[:60000]
     tokens = load_tokenizer(cfg.path)(text)["input_ids"]
@@ -270,7 +317,7 @@ def _prefill(runners: dict, prompt: list[int], floors: dict, repeats: int, hf) -
     flops = _prefill_flops(cfg, len(prompt))
     out = {"prompt_tokens": len(prompt), "flops": flops}
     for name, t in best.items():
-        peak = floors["gemm_flops"].get(name, floors["gemm_flops"].get("float32"))
+        peak = floors["gemm_flops"].get(_dtype_of(runners[name]) if name in runners else "float32")
         floor_s = flops / peak
         out[name] = {"tok_s": len(prompt) / t, "seconds": t, "floor_tok_s": len(prompt) / floor_s,
                      "fraction_of_floor": floor_s / t}
@@ -289,7 +336,8 @@ def _decode(runners: dict, tokens: list[int], context: int, batch: int, steps: i
     for name, t in best.items():
         runner = runners.get(name, runners.get("float32", first))
         weight = _weight_bytes(runner)
-        peak = floors["gemm_flops"].get(name, floors["gemm_flops"].get("float32"))
+        peak = floors["gemm_flops"].get(_dtype_of(runner) if name in runners else "float32",
+                                        floors["gemm_flops"].get("float32"))
         kv = _kv_bytes_read(runner, batch, context)
         floor = decode_floor(weight, kv, flops, floors["memcpy_bytes_per_s"], peak)
         out[name] = {"ms_per_step": 1000 * t, "ms_per_step_median": 1000 * median[name],
@@ -378,22 +426,23 @@ def _alternating(fns: dict[str, Callable[[], object]], repeats: int, warmup: int
 
 def _print_run(run: dict, dtypes: list[str]) -> None:
     f = run["floors"]
-    peaks = ", ".join(f"{_SHORT.get(n, n)} {v / 1e9:.0f}" for n, v in f["gemm_flops"].items())
+    peaks = ", ".join(f"{_short(n)} {v / 1e9:.0f}" for n, v in f["gemm_flops"].items())
     print(f"\nthreads {run['threads']}: GEMM peak (GFLOP/s) {peaks}; memcpy {f['memcpy_bytes_per_s'] / 1e9:.0f} GB/s "
           "(read + write)")
     names = dtypes + (["transformers_fp32"] if "transformers_fp32" in run["prefill"] else [])
-    head = f"{'measure':<26}" + "".join(f"{_SHORT.get(n, n[:12]):>10}{'floor':>9}{'of floor':>9}" for n in names)
+    width = max([10] + [len(_short(n)) + 1 for n in names])
+    head = f"{'measure':<26}" + "".join(f"{_short(n):>{width}}{'floor':>9}{'of floor':>9}" for n in names)
     print(head)
     p = run["prefill"]
     row = f"{'prefill %d tok (tok/s)' % p['prompt_tokens']:<26}"
     for n in names:
-        row += f"{p[n]['tok_s']:>10.0f}{p[n]['floor_tok_s']:>9.0f}{p[n]['fraction_of_floor']:>9.0%}"
+        row += f"{p[n]['tok_s']:>{width}.0f}{p[n]['floor_tok_s']:>9.0f}{p[n]['fraction_of_floor']:>9.0%}"
     print(row)
     for d in run["decode"]:
         row = f"{'decode b%d (ms/step)' % d['batch']:<26}"
         for n in names:
             x = d[n]
-            row += f"{x['ms_per_step']:>10.1f}{x['floor_ms']:>8.1f}{x['bound'][0]}{x['fraction_of_floor']:>9.0%}"
+            row += f"{x['ms_per_step']:>{width}.1f}{x['floor_ms']:>8.1f}{x['bound'][0]}{x['fraction_of_floor']:>9.0%}"
         print(row)
     print("floor: prefill FLOPs / GEMM peak; decode roofline max((weight + KV bytes read) / bandwidth (m), "
           "FLOPs / GEMM peak (c)); the weights-only floor is in the JSON (weights_floor_ms)")

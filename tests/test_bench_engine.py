@@ -1,4 +1,4 @@
-"""bench engine's decode floor: the roofline counts the KV cache a step reads, not only the weights."""
+"""bench engine's decode floor (the roofline counts the KV cache a step reads, not only the weights) and its rows."""
 
 import pytest
 
@@ -17,3 +17,13 @@ def test_decode_floor_counts_weights_and_kv_cache():
 def test_decode_floor_turns_compute_bound_when_the_flops_dominate():
     f = decode_floor(weight_bytes=1_000, kv_bytes=1_000, flops=1e12, bytes_per_s=1e9, flops_per_s=1e12)
     assert f["bound"] == "compute" and f["floor_s"] == pytest.approx(1.0) and f["memory_s"] == pytest.approx(2e-6)
+
+
+def test_rows_are_every_dtype_method_and_kv_dtype_with_the_plain_dtype_keeping_its_name():
+    from bench.engine import _configs, _short
+
+    rows = _configs(["float32", "bfloat16"], "none, int8", "auto,fp8_e4m3")
+    assert list(rows) == ["float32", "float32+kv:fp8_e4m3", "float32+int8", "float32+int8+kv:fp8_e4m3",
+                          "bfloat16", "bfloat16+kv:fp8_e4m3", "bfloat16+int8", "bfloat16+int8+kv:fp8_e4m3"]
+    assert rows["bfloat16+int8"] == ("bfloat16", "int8", "auto")
+    assert _short("bfloat16+int8+kv:fp8_e4m3") == "bf16+int8+kv:fp8" and _short("float32") == "fp32"

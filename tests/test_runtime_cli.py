@@ -78,7 +78,9 @@ def test_serve_bad_dtype_as_a_real_command():
 
 @pytest.mark.parametrize("args, fragment", [(["--dtypes", "fp8"], "--dtype 'fp8'"),
                                             (["--threads", str(NCORES + 1)], f"--threads {NCORES + 1}"),
-                                            (["--batch-sizes", "1,x"], "--batch-sizes")])
+                                            (["--batch-sizes", "1,x"], "--batch-sizes"),
+                                            (["--quantization", "none,int4"], "--quantization"),
+                                            (["--kv-cache-dtype", "fp16"], "--kv-cache-dtype")])
 def test_bench_engine_bad_flags(monkeypatch, capsys, args, fragment):
     code, err = run_cli(monkeypatch, capsys, "bench", "engine", *args)
     assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
