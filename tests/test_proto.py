@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -10,6 +11,16 @@ from proto import regen
 
 def test_regenerating_changes_nothing():
     assert regen.differences() == []
+
+
+def test_only_the_generators_version_stamps_are_ignored():
+    committed = (regen.REPO_ROOT / regen.PROTO_DIR / "api_pb2.py").read_text()
+    grpc = (regen.REPO_ROOT / regen.PROTO_DIR / "api_pb2_grpc.py").read_text()
+    bumped = re.sub(r"GRPC_GENERATED_VERSION = '[^']*'", "GRPC_GENERATED_VERSION = '9.9.9'", grpc)
+    assert bumped != grpc and regen.without_version_stamps(bumped) == regen.without_version_stamps(grpc)
+    stamped = regen.without_version_stamps(committed)
+    assert "Protobuf Python Version" not in stamped and stamped.count("<version>") == 2
+    assert regen.without_version_stamps(committed.replace("pdserve.v1.Usage", "pdserve.v1.Usagf")) != stamped
 
 
 def test_generate_request_round_trips_with_optional_fields():
