@@ -31,6 +31,7 @@ from pathlib import Path
 import typer
 
 from bench.options import int_list
+from engine.errors import UserError
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))   # (out, in): fused qkv, o, fused gate/up, down
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")   # of SHAPES
@@ -45,7 +46,8 @@ def command(
     steps: int = typer.Option(10, "--steps", help="Timed decode steps per method and batch size."),
     batch_sizes: str = typer.Option("1,16,32", "--batch-sizes", help="Comma-separated decode batch sizes."),
     threads: int = typer.Option(0, "--threads", help="torch threads (0 = the cores this process may use)."),
-    skip_linear: bool = typer.Option(False, "--skip-linear", help="Only the decode-step table."),
+    skip_linear: bool = typer.Option(False, "--skip-linear",
+                                     help="Skip the per-kernel table (the step's linears and the decode step remain)."),
     json_out: Path = typer.Option(Path("out/bench_quant.json"), "--json"),
 ) -> None:
     """Linear kernels and decode step per quantization method."""
@@ -53,7 +55,12 @@ def command(
 
     from engine.quantization import check_quantization
 
-    names = [check_quantization(m.strip()) for m in methods.split(",") if m.strip()]
+    try:
+        names = [check_quantization(m.strip()) for m in methods.split(",") if m.strip()]
+    except UserError as e:   # name the option given here, not serve's --quantization
+        raise UserError(str(e).replace("--quantization:", f"--methods {methods!r}:", 1)) from None
+    if not names:
+        raise UserError(f"--methods {methods!r}: give at least one of none, int8, fp8")
     batches = _batch_sizes(batch_sizes)
     torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
     dt = getattr(torch, dtype)

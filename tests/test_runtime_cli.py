@@ -84,3 +84,10 @@ def test_serve_bad_dtype_as_a_real_command():
 def test_bench_engine_bad_flags(monkeypatch, capsys, args, fragment):
     code, err = run_cli(monkeypatch, capsys, "bench", "engine", *args)
     assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("methods, fragment", [("none,bogus", "--methods 'none,bogus': unknown method 'bogus'"),
+                                               (",", "--methods ','")])
+def test_bench_quant_names_its_own_option(monkeypatch, capsys, methods, fragment):
+    code, err = run_cli(monkeypatch, capsys, "bench", "quant", "--methods", methods)
+    assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
