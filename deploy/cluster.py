@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
+from engine.errors import UserError
 from engine.spec_decode.config import SpeculativeConfig
 from proto.tls import TlsFiles
 from router.registry import WorkerEndpoint
@@ -255,8 +256,15 @@ class ClusterController:
     async def start(self, timeout_s: float | None = None) -> None:
         """Boot every worker (loads the models in parallel); raises TimeoutError or the worker's error.
         timeout_s None = spec.worker_start_timeout_s."""
-        async with asyncio.timeout(timeout_s or self.spec.worker_start_timeout_s):
-            addresses = await asyncio.gather(*(a.ensure_started.remote() for a in self._actors.values()))
+        try:
+            async with asyncio.timeout(timeout_s or self.spec.worker_start_timeout_s):
+                addresses = await asyncio.gather(*(a.ensure_started.remote() for a in self._actors.values()))
+        except UserError as e:
+            # A worker's configuration error (a malformed KV scales file, ...) reaches the driver as
+            # Ray's task error, which is also a UserError but whose text is the actor's traceback:
+            # the user gets the worker's one-line message.
+            cause = getattr(e, "cause", None)
+            raise (cause if isinstance(cause, UserError) else e) from None
         self._addresses = dict(zip(self._actors, addresses))
         self._supervisors = {wid: asyncio.create_task(self._supervise(wid)) for wid in self._actors}
 

@@ -120,7 +120,8 @@ class ModelRunner:
             self.ops = self._reference_ops
             self.attention_backend = self.ops.name
         cfg = self.model_config
-        self.kv_scales = load_or_calibrate(Path(cfg.path), cfg.num_layers, cfg.num_kv_heads, self._calibrate_kv_scales)
+        self.kv_scales = load_or_calibrate(Path(cfg.path), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                           self._calibrate_kv_scales)
         for l, layer in enumerate(self.model.model.layers):
             attn = layer.self_attn
             k_scale, v_scale = self.kv_scales.layer(l)

@@ -95,7 +95,13 @@ class CompatKey:
         diffs = [f"{f.name}: ours={getattr(self, f.name)!r} peer={getattr(peer, f.name)!r}"
                  for f in fields(self) if getattr(self, f.name) != getattr(peer, f.name)]
         if diffs:
-            raise IncompatiblePeer("KV cache of peer is incompatible, refusing it (" + "; ".join(diffs) + ")")
+            hint = ""
+            if self.kv_scales_digest and peer.kv_scales_digest and self.kv_scales_digest != peer.kv_scales_digest:
+                # Each machine calibrates its own copy of the model unless given one: in the engine's
+                # dtype and quantization, so a bf16 and an fp32 (or int8) worker differ.
+                hint = ("; the FP8 KV scales differ: give every worker the same <model dir>/pdserve_kv_scales.json, "
+                        "calibrated by one engine")
+            raise IncompatiblePeer("KV cache of peer is incompatible, refusing it (" + "; ".join(diffs) + ")" + hint)
 
     def check_spec(self, spec: KVCacheSpec) -> None:
         """The key must describe the cache it is registered with."""

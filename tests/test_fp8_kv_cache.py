@@ -68,8 +68,8 @@ def test_scales_file_is_written_once_and_read_back(tmp_path):
         calls.append(1)
         return _scales()
 
-    first = load_or_calibrate(tmp_path, 3, HKV, calibrate)
-    second = load_or_calibrate(tmp_path, 3, HKV, calibrate)
+    first = load_or_calibrate(tmp_path, 3, HKV, D, calibrate)
+    second = load_or_calibrate(tmp_path, 3, HKV, D, calibrate)
     assert calls == [1] and first == second and first.digest() == second.digest()
     assert first.k_scale[0] == (2 / 448, 4 / 448) and len(first.k_offset[0][1]) == D
     assert _scales(k_amax=2.5).digest() != first.digest()
@@ -118,7 +118,7 @@ def test_offsets_leave_attention_unchanged_and_make_fp8_closer():
 def test_a_format_1_file_is_recalibrated(tmp_path):
     (tmp_path / "pdserve_kv_scales.json").write_text(json.dumps(
         {"format_version": 1, "dtype": "fp8_e4m3", "k_scale": [[1.0, 1.0]] * 3, "v_scale": [[1.0, 1.0]] * 3}))
-    got = load_or_calibrate(tmp_path, 3, HKV, _scales)
+    got = load_or_calibrate(tmp_path, 3, HKV, D, _scales)
     assert got == _scales() and json.loads((tmp_path / "pdserve_kv_scales.json").read_text())["format_version"] == 2
 
 
@@ -141,7 +141,7 @@ def _file(**change) -> str:
 def test_malformed_scales_file_is_a_user_error_naming_it(tmp_path, text, why):
     (tmp_path / "pdserve_kv_scales.json").write_text(text)
     with pytest.raises(UserError, match=why) as e:
-        load_or_calibrate(tmp_path, 3, HKV, lambda: pytest.fail("must not recalibrate over a bad file"))
+        load_or_calibrate(tmp_path, 3, HKV, D, lambda: pytest.fail("must not recalibrate over a bad file"))
     assert str(tmp_path) in str(e.value) and "\n" not in str(e.value)
 
 

@@ -39,7 +39,8 @@ def test_descriptor_names_everything_a_blocks_bytes_depend_on():
 @pytest.mark.parametrize("ours,theirs,fragments", [
     (fp8_spec(), bf16_spec(), [f"kv_dtype: ours='float8_e4m3fn' peer='bfloat16'",
                                f"kv_scales_digest: ours='{DIGEST_A}' peer=''"]),
-    (fp8_spec(DIGEST_A), fp8_spec(DIGEST_B), [f"kv_scales_digest: ours='{DIGEST_A}' peer='{DIGEST_B}'"]),
+    (fp8_spec(DIGEST_A), fp8_spec(DIGEST_B), [f"kv_scales_digest: ours='{DIGEST_A}' peer='{DIGEST_B}'",
+                                              "give every worker the same <model dir>/pdserve_kv_scales.json"]),
 ])
 def test_pd_pair_with_different_kv_formats_is_refused_at_handshake(ours, theirs, fragments):
     """A prefill worker with fp8 KV and a decode worker with bf16 KV (or other scales), over tcp."""

@@ -27,7 +27,9 @@ written once (atomically, under a lock) by the first engine started with ``--kv-
 fp8_e4m3`` and read by every later one, so a prefill and a decode worker of one model hold the
 same parameters (the transfer compatibility key carries their digest). A missing file is
 calibrated, never replaced by a silent 1.0; a file of format 1 (scales without offsets, from an
-older pdserve) is recalibrated; a malformed one is an error naming the file.
+older pdserve) is recalibrated; a malformed one (shapes other than the model's, scales fp32 cannot
+hold, offsets bf16 or fp16 cannot hold exactly, not UTF-8 JSON) or one that cannot be stored is
+an error naming the file.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ CALIBRATION_TEXT = Path(__file__).with_name("calibration.txt")
 FORMAT_VERSION = 2
 OFFSET_MIN = 2.0 ** -14
 """Offsets smaller than this (fp16's smallest normal) are 0: every compute dtype holds the rest exactly."""
+FP32_MIN_NORMAL, FP32_MAX = 2.0 ** -126, 3.4028234663852886e38
+"""A scale must be a normal fp32 number: the cache divides by it in fp32."""
 
 Rows = tuple[tuple[float, ...], ...]             # [num_layers][num_kv_heads]
 Offsets = tuple[tuple[tuple[float, ...], ...], ...]   # [num_layers][num_kv_heads][head_dim]
@@ -107,9 +111,11 @@ class KVScales:
         return "{\n" + ",\n".join(f' "{k}": {value(v)}' for k, v in fields.items()) + "\n}\n"
 
     @classmethod
-    def from_json(cls, text: str, num_layers: int, num_kv_heads: int, where: str) -> "KVScales":
-        """Parse and check; raises UserError naming ``where`` for anything malformed (a format-1
-        file is not malformed: ``stored_format_version`` tells it apart first)."""
+    def from_json(cls, text: str, num_layers: int, num_kv_heads: int, head_dim: int, where: str) -> "KVScales":
+        """Parse and check against the model's shape; raises UserError naming ``where`` for
+        anything malformed: shapes, scales that are not normal fp32 numbers, offsets that bf16 or
+        fp16 cannot hold exactly (a format-1 file is not malformed: ``stored_format_version``
+        tells it apart first)."""
         def bad(why: str) -> UserError:
             return UserError(f"--kv-cache-dtype fp8_e4m3: malformed KV scales in {where}: {why} "
                              f"(delete the file to recalibrate)")
@@ -123,30 +129,33 @@ class KVScales:
             if (not isinstance(rows, list) or len(rows) != num_layers
                     or any(not isinstance(r, list) or len(r) != num_kv_heads for r in rows)):
                 raise bad(f"{name} must be [{num_layers} layers][{num_kv_heads} KV heads]")
-            if any(not _number(x) or not 0 < x < float("inf") for r in rows for x in r):
-                raise bad(f"{name} values must be positive finite numbers")
+            if any(not _number(x) or not FP32_MIN_NORMAL <= x <= FP32_MAX for r in rows for x in r):
+                raise bad(f"{name} values must be positive finite numbers fp32 holds (2**-126 to 3.4e38)")
             scales.append(tuple(tuple(float(x) for x in r) for r in rows))
         offsets = []
         for name in ("k_offset", "v_offset"):
             rows = obj.get(name)
             if (not isinstance(rows, list) or len(rows) != num_layers
                     or any(not isinstance(r, list) or len(r) != num_kv_heads for r in rows)
-                    or len({len(h) if isinstance(h, list) else -1 for r in rows for h in r}) != 1
-                    or not isinstance(rows[0][0], list) or not rows[0][0]):
-                raise bad(f"{name} must be [{num_layers} layers][{num_kv_heads} KV heads][head_dim]")
+                    or any(not isinstance(h, list) or len(h) != head_dim for r in rows for h in r)):
+                raise bad(f"{name} must be [{num_layers} layers][{num_kv_heads} KV heads][{head_dim} channels]")
             if any(not _number(x) or abs(x) == float("inf") or x != x for r in rows for h in r for x in h):
                 raise bad(f"{name} values must be finite numbers")
+            if not _exact_in_bf16_and_fp16(rows):
+                raise bad(f"{name} values must be numbers bf16 and fp16 both hold exactly (as calibration writes them)")
             offsets.append(tuple(tuple(tuple(float(x) for x in h) for h in r) for r in rows))
         return cls(scales[0], scales[1], offsets[0], offsets[1], str(obj.get("calibration", "")))
 
 
 def stored_format_version(text: str) -> object:
-    """The format_version a scales file declares (None if it is not a JSON object)."""
+    """The format_version a scales file declares (None if it is not a JSON object or declares
+    no integer: ``true`` is not format 1)."""
     try:
         obj = json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return None
-    return obj.get("format_version") if isinstance(obj, dict) else None
+    version = obj.get("format_version") if isinstance(obj, dict) else None
+    return version if type(version) is int else None
 
 
 def calibrate_kv(keys: Sequence["torch.Tensor"], values: Sequence["torch.Tensor"], calibration: str) -> KVScales:
@@ -170,19 +179,20 @@ def calibrate_kv(keys: Sequence["torch.Tensor"], values: Sequence["torch.Tensor"
                     tuple(_nested(o) for o in k_off), tuple(_nested(o) for o in v_off), calibration)
 
 
-def load_or_calibrate(model_dir: Path, num_layers: int, num_kv_heads: int,
+def load_or_calibrate(model_dir: Path, num_layers: int, num_kv_heads: int, head_dim: int,
                       calibrate: Callable[[], KVScales]) -> KVScales:
     """The model's stored parameters; if there are none (or only format 1's), ``calibrate()`` and
-    store them (once, locked)."""
+    store them (once, locked). UserError naming the file for one that is malformed, unreadable or
+    cannot be written (a read-only file system, a directory in its place)."""
     from engine.model_loader import _file_lock
 
     path = Path(model_dir) / KV_SCALES_FILE
-    stored = _read(path, num_layers, num_kv_heads)
+    stored = _read(path, num_layers, num_kv_heads, head_dim)
     if stored is not None:
         return stored
     try:
         with _file_lock(Path(model_dir) / f".{KV_SCALES_FILE}.lock"):
-            stored = _read(path, num_layers, num_kv_heads)   # another process calibrated while we waited
+            stored = _read(path, num_layers, num_kv_heads, head_dim)   # another process calibrated while we waited
             if stored is not None:
                 return stored
             scales = calibrate()
@@ -192,23 +202,29 @@ def load_or_calibrate(model_dir: Path, num_layers: int, num_kv_heads: int,
             os.chmod(tmp, 0o644)
             os.replace(tmp, path)
             return scales
-    except PermissionError as e:
-        raise UserError(f"--kv-cache-dtype fp8_e4m3: no current KV scales in {model_dir} and it is not writable "
-                        f"({e.strerror}); run once where the model directory is writable") from None
+    except OSError as e:   # PermissionError, a read-only file system (EROFS), ...
+        raise UserError(f"--kv-cache-dtype fp8_e4m3: no current KV scales in {model_dir} and they cannot be "
+                        f"stored there ({e.strerror or e}); run once where the model directory is writable, "
+                        f"or copy {KV_SCALES_FILE} from a machine that has it") from None
 
 
-def _read(path: Path, num_layers: int, num_kv_heads: int) -> KVScales | None:
+def _read(path: Path, num_layers: int, num_kv_heads: int, head_dim: int) -> KVScales | None:
     """The parameters in ``path``; None if it does not exist or holds format 1 (to recalibrate)."""
-    if not path.is_file():
+    if not path.exists():
         return None
+    if not path.is_file():
+        raise UserError(f"--kv-cache-dtype fp8_e4m3: {path} is not a file (remove it to recalibrate)")
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise UserError(f"--kv-cache-dtype fp8_e4m3: cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--kv-cache-dtype fp8_e4m3: malformed KV scales in {path}: not UTF-8 text "
+                        f"(delete the file to recalibrate)") from None
     if stored_format_version(text) == 1:
         log.info("%s holds format 1 (scales without offsets, from an older pdserve): recalibrating", path)
         return None
-    return KVScales.from_json(text, num_layers, num_kv_heads, str(path))
+    return KVScales.from_json(text, num_layers, num_kv_heads, head_dim, str(path))
 
 
 def _parse(text: str, bad: Callable[[str], UserError]) -> dict:
@@ -216,9 +232,19 @@ def _parse(text: str, bad: Callable[[str], UserError]) -> dict:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise bad(f"not JSON ({e.msg})") from None
+    except RecursionError:
+        raise bad("not JSON this parser can read (nested too deep)") from None
     if not isinstance(obj, dict):
         raise bad("expected a JSON object")
     return obj
+
+
+def _exact_in_bf16_and_fp16(rows: list) -> bool:
+    """Whether every number in the nested lists equals its bf16 and its fp16 rounding."""
+    import torch
+
+    x = torch.tensor(rows, dtype=torch.float64)
+    return bool(torch.equal(x.to(torch.bfloat16).double(), x) and torch.equal(x.half().double(), x))
 
 
 def _number(x: object) -> bool:
