@@ -86,6 +86,8 @@ def test_calibration_centres_each_channel_and_scales_what_is_left():
     assert torch.allclose(off, k.mean(0), atol=2e-2)
     assert torch.equal(off, off.to(torch.bfloat16).float()) and torch.equal(off, off.half().float())
     assert torch.all(off[:, 3::4] == 0)                                  # below fp16's normals: 0
+    huge = calibrate_kv([torch.full((2, HKV, D), 1e6)], [torch.zeros(2, HKV, D)], "huge")
+    assert torch.all(torch.tensor(huge.k_offset[0]) == 65280.0)         # fp16 holds it; any constant does
     assert torch.equal(torch.tensor(p.v_offset[0]), -off)
     assert torch.allclose(torch.tensor(p.k_scale[0]), (k - off).abs().amax(dim=(0, 2)) * 2 / 448)
 

@@ -56,7 +56,9 @@ FP8_E4M3_MAX = 448.0
 CALIBRATION_TEXT = Path(__file__).with_name("calibration.txt")
 FORMAT_VERSION = 2
 OFFSET_MIN = 2.0 ** -14
-"""Offsets smaller than this (fp16's smallest normal) are 0: every compute dtype holds the rest exactly."""
+OFFSET_MAX = 65280.0
+"""Offsets smaller than OFFSET_MIN (fp16's smallest normal) are 0 and larger than OFFSET_MAX (the
+largest bf16 number fp16 holds) are clamped: every compute dtype holds the rest exactly."""
 FP32_MIN_NORMAL, FP32_MAX = 2.0 ** -126, 3.4028234663852886e38
 """A scale must be a normal fp32 number: the cache divides by it in fp32."""
 
@@ -166,7 +168,8 @@ def calibrate_kv(keys: Sequence["torch.Tensor"], values: Sequence["torch.Tensor"
     import torch
 
     def offset(x: torch.Tensor) -> torch.Tensor:
-        mean = x.float().mean(dim=0).to(torch.bfloat16).float()                  # [Hkv, D]
+        # (any constant is a valid offset: one beyond fp16's range is clamped to its largest bf16 number)
+        mean = x.float().mean(dim=0).to(torch.bfloat16).float().clamp(-OFFSET_MAX, OFFSET_MAX)   # [Hkv, D]
         return torch.where(mean.abs() < OFFSET_MIN, torch.zeros_like(mean), mean)
 
     def scale(x: torch.Tensor, off: torch.Tensor) -> tuple[float, ...]:
