@@ -41,7 +41,7 @@ from typing import Callable, Optional
 
 import typer
 
-from bench.options import int_list
+from bench.options import int_list, name_list
 from engine.errors import UserError
 
 DECODE_WARMUP = 3   # untimed decode steps per dtype and batch size before the timed ones
@@ -137,10 +137,10 @@ def _parse_dtypes(text: str) -> list[str]:
 def _configs(dtypes: list[str], quantization: str, kv_cache_dtype: str) -> dict[str, tuple[str, str, str]]:
     """Every (dtype, quantization, kv_cache_dtype), by row name: the dtype alone for none/auto (the
     JSON keys of unquantized runs stay the dtype), else e.g. ``bfloat16+int8``, ``bfloat16+kv:fp8_e4m3``."""
-    from engine.quantization import check_kv_cache_dtype, check_quantization
+    from engine.quantization import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
-    methods = [check_quantization(m) for m in _items(quantization, "--quantization")]
-    kvs = [check_kv_cache_dtype(k) for k in _items(kv_cache_dtype, "--kv-cache-dtype")]
+    methods = name_list(quantization, "--quantization", QUANTIZATION_METHODS, what="method")
+    kvs = name_list(kv_cache_dtype, "--kv-cache-dtype", KV_CACHE_DTYPES, what="dtype")
     out = {}
     for d in dtypes:
         for m in methods:
@@ -148,13 +148,6 @@ def _configs(dtypes: list[str], quantization: str, kv_cache_dtype: str) -> dict[
                 name = d + ("" if m == "none" else f"+{m}") + ("" if k == "auto" else f"+kv:{k}")
                 out[name] = (d, m, k)
     return out
-
-
-def _items(text: str, option: str) -> list[str]:
-    items = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
-    if not items:
-        raise UserError(f"{option} {text!r}: give at least one value")
-    return items
 
 
 def _short(name: str) -> str:

@@ -4,6 +4,8 @@ message for every ``pdserve bench`` command, so a bad value is a one-line error 
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from engine.errors import UserError
 
 
@@ -22,3 +24,16 @@ def int_list(text: str, option: str, *, min_value: int = 1, distinct: bool = Fal
     if distinct and len(set(values)) != len(values):
         raise UserError(f"{option} {text!r}: each value at most once")
     return values
+
+
+def name_list(text: str, option: str, allowed: Sequence[str], *, what: str = "value") -> list[str]:
+    """``"none, int8"`` -> ["none", "int8"], in the order given, each once (empty items skipped).
+
+    Raises UserError naming ``option`` when the list is empty or a name is not in ``allowed``."""
+    names = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    if not names:
+        raise UserError(f"{option} {text!r}: give at least one of {', '.join(allowed)}")
+    for name in names:
+        if name not in allowed:
+            raise UserError(f"{option} {text!r}: unknown {what} {name!r}; choose one of {', '.join(allowed)}")
+    return names

@@ -30,8 +30,7 @@ from pathlib import Path
 
 import typer
 
-from bench.options import int_list
-from engine.errors import UserError
+from bench.options import int_list, name_list
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))   # (out, in): fused qkv, o, fused gate/up, down
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")   # of SHAPES
@@ -53,14 +52,9 @@ def command(
     """Linear kernels and decode step per quantization method."""
     import torch
 
-    from engine.quantization import check_quantization
+    from engine.quantization import QUANTIZATION_METHODS
 
-    try:
-        names = [check_quantization(m.strip()) for m in methods.split(",") if m.strip()]
-    except UserError as e:   # name the option given here, not serve's --quantization
-        raise UserError(str(e).replace("--quantization:", f"--methods {methods!r}:", 1)) from None
-    if not names:
-        raise UserError(f"--methods {methods!r}: give at least one of none, int8, fp8")
+    names = name_list(methods, "--methods", QUANTIZATION_METHODS, what="method")
     batches = _batch_sizes(batch_sizes)
     torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
     dt = getattr(torch, dtype)
