@@ -113,16 +113,13 @@ class KVScales:
         return "{\n" + ",\n".join(f' "{k}": {value(v)}' for k, v in fields.items()) + "\n}\n"
 
     @classmethod
-    def from_json(cls, text: str, num_layers: int, num_kv_heads: int, head_dim: int, where: str) -> "KVScales":
-        """Parse and check against the model's shape; raises UserError naming ``where`` for
-        anything malformed: shapes, scales that are not normal fp32 numbers, offsets that bf16 or
-        fp16 cannot hold exactly (a format-1 file is not malformed: ``stored_format_version``
-        tells it apart first)."""
+    def from_dict(cls, obj: dict, num_layers: int, num_kv_heads: int, head_dim: int, where: str) -> "KVScales":
+        """A parsed file (format 2), checked against the model's shape; raises UserError naming
+        ``where`` for anything malformed: shapes, scales that are not normal fp32 numbers, offsets
+        that bf16 or fp16 cannot hold exactly."""
         def bad(why: str) -> UserError:
-            return UserError(f"--kv-cache-dtype fp8_e4m3: malformed KV scales in {where}: {why} "
-                             f"(delete the file to recalibrate)")
+            return _malformed(where, why)
 
-        obj = _parse(text, bad)
         if obj.get("format_version") != FORMAT_VERSION or obj.get("dtype") != "fp8_e4m3":
             raise bad(f"expected format_version {FORMAT_VERSION} and dtype fp8_e4m3")
         scales = []
@@ -147,17 +144,6 @@ class KVScales:
                 raise bad(f"{name} values must be numbers bf16 and fp16 both hold exactly (as calibration writes them)")
             offsets.append(tuple(tuple(tuple(float(x) for x in h) for h in r) for r in rows))
         return cls(scales[0], scales[1], offsets[0], offsets[1], str(obj.get("calibration", "")))
-
-
-def stored_format_version(text: str) -> object:
-    """The format_version a scales file declares (None if it is not a JSON object or declares
-    no integer: ``true`` is not format 1)."""
-    try:
-        obj = json.loads(text)
-    except (ValueError, RecursionError):
-        return None
-    version = obj.get("format_version") if isinstance(obj, dict) else None
-    return version if type(version) is int else None
 
 
 def calibrate_kv(keys: Sequence["torch.Tensor"], values: Sequence["torch.Tensor"], calibration: str) -> KVScales:
@@ -222,24 +208,23 @@ def _read(path: Path, num_layers: int, num_kv_heads: int, head_dim: int) -> KVSc
     except OSError as e:
         raise UserError(f"--kv-cache-dtype fp8_e4m3: cannot read {path}: {e.strerror}") from None
     except UnicodeDecodeError:
-        raise UserError(f"--kv-cache-dtype fp8_e4m3: malformed KV scales in {path}: not UTF-8 text "
-                        f"(delete the file to recalibrate)") from None
-    if stored_format_version(text) == 1:
-        log.info("%s holds format 1 (scales without offsets, from an older pdserve): recalibrating", path)
-        return None
-    return KVScales.from_json(text, num_layers, num_kv_heads, head_dim, str(path))
-
-
-def _parse(text: str, bad: Callable[[str], UserError]) -> dict:
+        raise _malformed(path, "not UTF-8 text") from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise bad(f"not JSON ({e.msg})") from None
+        raise _malformed(path, f"not JSON ({e.msg})") from None
     except RecursionError:
-        raise bad("not JSON this parser can read (nested too deep)") from None
+        raise _malformed(path, "not JSON this parser can read (nested too deep)") from None
     if not isinstance(obj, dict):
-        raise bad("expected a JSON object")
-    return obj
+        raise _malformed(path, "expected a JSON object")
+    if type(obj.get("format_version")) is int and obj["format_version"] == 1:   # (true is not format 1)
+        log.info("%s holds format 1 (scales without offsets, from an older pdserve): recalibrating", path)
+        return None
+    return KVScales.from_dict(obj, num_layers, num_kv_heads, head_dim, str(path))
+
+
+def _malformed(where: Path | str, why: str) -> UserError:
+    return UserError(f"--kv-cache-dtype fp8_e4m3: malformed KV scales in {where}: {why} (delete the file to recalibrate)")
 
 
 def _exact_in_bf16_and_fp16(rows: list) -> bool:
