@@ -23,6 +23,7 @@ from typing import Sequence
 
 GEMM_SIZE = 1536   # M = N = K of the GEMM probe (bench engine's default)
 MEMCPY_MIB = 512   # size of the bandwidth probe's tensor
+READ_MIB = 512     # size of the read probe's tensor (16x the 32 MiB L3)
 
 
 @dataclass(frozen=True)
@@ -85,3 +86,43 @@ def workload_floor(model_cfg, prompt_lens: Sequence[int], output_tokens: int, co
     floor_s = prefill_s + decode_s
     return WorkloadFloor(flops, steps, weight_bytes, prefill_s, decode_s, floor_s,
                          len(prompt_lens) * output_tokens / floor_s if floor_s > 0 else math.inf)
+
+
+def measure_read_bandwidth(mib: int = READ_MIB, repeats: int = 5) -> float:
+    """Bytes read per second (best of ``repeats``) by a streaming reduction, ``torch.sum`` over
+    ``mib`` MiB of fp32 at the current torch threads: the rate at which a decode step can stream
+    its weights, which it reads and never writes (the memcpy probe counts bytes read + written).
+    On the shared 2-core Zen 4 VM it varies by up to 1.5x from minute to minute (25-35 GB/s on
+    2026-12-06), so a bench measures it in the run it compares against."""
+    import time
+
+    import torch
+
+    src = torch.ones(mib * 2**20 // 4)
+    src.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - t0)
+    return src.numel() * 4 / best
+
+
+def measure_int8_gemm_peak(n: int = GEMM_SIZE, repeats: int = 4) -> float:
+    """int8 multiply-adds x 2 per second (best of ``repeats``) of ``torch._int_mm`` (oneDNN's s8 x s8
+    -> s32 GEMM, VNNI where the CPU has it) on n x n x n at the current torch threads: the int8
+    counterpart of the GEMM probe (2-core Zen 4, AVX512-VNNI: ~845e9, 0.9x vpdpbusd's peak of one
+    instruction a cycle per core; bf16 torch.mm ~430e9)."""
+    import time
+
+    import torch
+
+    a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+    b = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+    torch._int_mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch._int_mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best

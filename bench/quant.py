@@ -16,7 +16,10 @@ averages are printed beside them):
 - decode step: one ModelRunner forward of B decode tokens (B = ``--batch-sizes``, default 1, 16,
   32; ``--context`` tokens of
   context each) per --quantization method at --dtype, best of --steps, and its speed-up over
-  ``none``. Methods are timed round-robin, so a burst of load hits them alike.
+  ``none``. Methods are timed round-robin, so a burst of load hits them alike. Beside it: the
+  step's linears (the table above), the rest of the step, the linears' floor (their weight bytes
+  at the run's best streaming read, or their operations at the method's GEMM peak, whichever is
+  longer: bench/floors.py) and the speed-up those floors allow (``add_floor``).
 
 Writes JSON (``--json``). Speed is measured here, never in tests.
 """
@@ -58,7 +61,10 @@ def command(
     batches = _batch_sizes(batch_sizes)
     torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
     dt = getattr(torch, dtype)
-    result = {"dtype": dtype, "threads": torch.get_num_threads(), "load_before": _load()}
+    from bench.floors import measure_read_bandwidth
+
+    result = {"dtype": dtype, "threads": torch.get_num_threads(), "load_before": _load(),
+              "read_GBps_before": round(measure_read_bandwidth() / 1e9, 1), "gemm_peak_GOPS": gemm_peaks(dtype)}
     if not skip_linear:
         result["linear"] = linear_rows(names, dt)
         _print_linear(result["linear"])
@@ -67,6 +73,9 @@ def command(
     _print_linears(result["linears"], result)
     result["decode"] = decode_rows(runners, context, steps, batches)
     result["load_after"] = _load()
+    result["read_GBps_after"] = round(measure_read_bandwidth() / 1e9, 1)
+    add_floor(result["decode"], result["linears"], max(result["read_GBps_before"], result["read_GBps_after"]),
+              result["gemm_peak_GOPS"])
     _print_decode(result["decode"], result)
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(result, indent=2) + "\n")
@@ -148,7 +157,8 @@ def linears_rows(runners: dict, steps: int, batches: tuple[int, ...]) -> list[di
             for (proj, _), t in zip(seq, best[m]):
                 per[proj] = per.get(proj, 0.0) + t
             total, wbytes = sum(best[m]), sum(mod.weight_bytes() for _, mod in seq)
-            out.append({"batch": batch, "method": m, "ms": round(total * 1e3, 3),
+            params = sum(mod.in_features * mod.out_features for _, mod in seq)
+            out.append({"batch": batch, "method": m, "ms": round(total * 1e3, 3), "params": params,
                         "weight_MB": round(wbytes / 1e6, 1), "weight_GBps": round(wbytes / total / 1e9, 1),
                         "per_projection_ms": {k: round(v * 1e3, 3) for k, v in per.items()}})
     ms = {(r["batch"], r["method"]): r["ms"] for r in out}
@@ -181,6 +191,42 @@ def decode_rows(runners: dict, context: int, steps: int, batches: tuple[int, ...
                         "speedup_vs_none": round(best["none"] / best[m], 2) if "none" in best else None,
                         "attention_backend": runners[m].attention_backend})
     return out
+
+
+def gemm_peaks(dtype: str) -> dict[str, float]:
+    """GOP/s of the GEMM each method's linears run on: the dtype's torch.mm for none and fp8 (whose
+    CPU path multiplies in the model dtype), torch._int_mm for int8 (bench/floors.py)."""
+    from bench.engine import _floors
+    from bench.floors import GEMM_SIZE, measure_int8_gemm_peak
+
+    dense = _floors([dtype], GEMM_SIZE, 1)["gemm_flops"][dtype]
+    return {"none": round(dense / 1e9), "fp8": round(dense / 1e9), "int8": round(measure_int8_gemm_peak() / 1e9)}
+
+
+def add_floor(decode: list[dict], linears: list[dict], read_gbps: float, peak_gops: dict[str, float]) -> None:
+    """Beside each decode row: its linears timed alone (``linears`` of the same batch and method),
+    the rest of the step (step - linears: attention, norms, sampling, overhead), the linears'
+    floor, the larger of streaming their weight bytes at ``read_gbps`` (the run's best streaming
+    read) and computing their 2 x params x batch operations at the method's GEMM peak
+    (``peak_gops``), and the linears' fraction of it; and ``bound_vs_none``, the step speed-up over
+    ``none`` were every method's linears at their floor and its rest as measured."""
+    lin = {(r["batch"], r["method"]): r for r in linears}
+    for r in decode:
+        ln = lin.get((r["batch"], r["method"]))
+        peak = peak_gops.get(r["method"])
+        if ln is None or not peak:
+            continue
+        read_ms = ln["weight_MB"] / read_gbps                       # MB / (GB/s) = ms
+        compute_ms = 2 * ln["params"] * r["batch"] / peak / 1e6    # ops / (GOP/s) in ms
+        floor_ms = max(read_ms, compute_ms)
+        r.update(linears_ms=ln["ms"], rest_ms=round(r["ms"] - ln["ms"], 2), read_floor_ms=round(read_ms, 2),
+                 compute_floor_ms=round(compute_ms, 2), floor_ms=round(floor_ms, 2),
+                 linears_pct_of_floor=round(100 * floor_ms / ln["ms"]))
+    by = {(r["batch"], r["method"]): r for r in decode}
+    for r in decode:
+        base = by.get((r["batch"], "none"))
+        if base and "floor_ms" in r and "floor_ms" in base:
+            r["bound_vs_none"] = round((base["floor_ms"] + base["rest_ms"]) / (r["floor_ms"] + r["rest_ms"]), 2)
 
 
 def _best(fn, reps: int, rounds: int = 5) -> float:
@@ -217,9 +263,16 @@ def _print_linears(rows: list[dict], result: dict) -> None:
 def _print_decode(rows: list[dict], result: dict) -> None:
     print(f"decode step, {result['dtype']}, {result['threads']} threads "
           f"(load {result['load_before']} before, {result['load_after']} after)")
-    print(f"{'batch':>5} {'method':<6} {'ms/step':>8} {'vs none':>8}")
+    print(f"(linears: the step's linears timed alone, above; rest = step - linears; floor = the larger of their weight "
+          f"bytes at {result.get('read_GBps_before')}/{result.get('read_GBps_after')} GB/s (the run's streaming read, "
+          f"before/after) and their ops at the method's GEMM peak, GOP/s {result.get('gemm_peak_GOPS')}; bound = the "
+          f"speed-up over none with every method's linears at their floor)")
+    print(f"{'batch':>5} {'method':<6} {'ms/step':>8} {'vs none':>8} {'linears':>8} {'rest':>6} {'read':>6} {'compute':>7} "
+          f"{'% floor':>7} {'bound':>6}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['method']:<6} {r['ms']:>8.2f} {r['speedup_vs_none'] or '':>8}")
+        print(f"{r['batch']:>5} {r['method']:<6} {r['ms']:>8.2f} {r['speedup_vs_none'] or '':>8} {r.get('linears_ms', ''):>8} "
+              f"{r.get('rest_ms', ''):>6} {r.get('read_floor_ms', ''):>6} {r.get('compute_floor_ms', ''):>7} "
+              f"{r.get('linears_pct_of_floor', ''):>7} {r.get('bound_vs_none', ''):>6}")
 
 
 def _load() -> str:

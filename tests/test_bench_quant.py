@@ -1,0 +1,33 @@
+"""bench quant's floor columns (pure arithmetic over measured rows) and the probes they use."""
+
+from bench.floors import measure_int8_gemm_peak, measure_read_bandwidth
+from bench.quant import add_floor
+
+
+def test_floor_columns_and_the_bound_over_none():
+    decode = [{"batch": 16, "method": "none", "ms": 14.0}, {"batch": 16, "method": "int8", "ms": 10.0},
+              {"batch": 1, "method": "int8", "ms": 5.0}]   # no batch-1 linears row: left as it is
+    linears = [{"batch": 16, "method": "none", "ms": 11.0, "weight_MB": 250.0, "params": 125_000_000},
+               {"batch": 16, "method": "int8", "ms": 7.0, "weight_MB": 125.0, "params": 125_000_000}]
+    add_floor(decode, linears, read_gbps=25.0, peak_gops={"none": 400, "int8": 1000})
+    none, int8, b1 = decode
+    # none: reading 250 MB at 25 GB/s (10 ms) takes longer than 4 GOP at 400 GOP/s (10 ms) -- a tie
+    assert (none["linears_ms"], none["rest_ms"], none["read_floor_ms"], none["compute_floor_ms"]) == (11.0, 3.0, 10.0, 10.0)
+    assert (none["floor_ms"], none["linears_pct_of_floor"]) == (10.0, 91)
+    # int8: 125 MB read in 5 ms, 4 GOP at 1000 GOP/s in 4 ms: the read bounds it
+    assert (int8["read_floor_ms"], int8["compute_floor_ms"], int8["floor_ms"], int8["linears_pct_of_floor"]) == (5.0, 4.0, 5.0, 71)
+    # (10 + 3) / (5 + 3): the speed-up the floors allow with the rest as measured
+    assert int8["bound_vs_none"] == 1.62 and none["bound_vs_none"] == 1.0
+    assert "floor_ms" not in b1 and "bound_vs_none" not in b1
+
+
+def test_compute_floor_decides_when_it_is_the_longer():
+    decode = [{"batch": 32, "method": "none", "ms": 30.0}]
+    add_floor(decode, [{"batch": 32, "method": "none", "ms": 25.0, "weight_MB": 250.0, "params": 125_000_000}],
+              read_gbps=50.0, peak_gops={"none": 400})
+    assert decode[0]["read_floor_ms"] == 5.0 and decode[0]["compute_floor_ms"] == 20.0 and decode[0]["floor_ms"] == 20.0
+
+
+def test_probes_report_plausible_rates():
+    assert 1e8 < measure_read_bandwidth(mib=64, repeats=2) < 1e13     # bytes/s
+    assert 1e8 < measure_int8_gemm_peak(n=256, repeats=2) < 1e14      # int ops/s
