@@ -19,8 +19,9 @@ For each thread count (``--threads``, default 1 and all available cores) it meas
   takes over once a batch makes the step compute-bound. The JSON keeps the weights-only
   figure beside it (``weights_floor_ms``) and both byte counts. A quantized configuration's
   memory floor counts the bytes it reads (int8/E4M3 weights, an E4M3 cache); its compute floor
-  is still its dtype's GEMM peak (no 8-bit GEMM probe here), which an int8 kernel may beat: a
-  fraction above 100% says so.
+  is the GEMM peak of what its linears multiply in: ``torch._int_mm``'s int8 peak for int8
+  (bench/floors.py measure_int8_gemm_peak, probed when an int8 row runs), its dtype's for the rest
+  (FP8 weights are multiplied as bf16 on CPUs).
 
 Timing is wall clock, the configurations alternating repeat by repeat (a shared machine's load then
 lands on both alike). Decode is timed in its steady state: DECODE_WARMUP steps per dtype first,
@@ -102,7 +103,8 @@ def command(
     }
     for t in counts:
         torch.set_num_threads(t)
-        floors = _floors(dtype_names, gemm_size, memcpy_mib)
+        floors = _floors(dtype_names, gemm_size, memcpy_mib,
+                         int8=any(getattr(r, "quantization", "none") == "int8" for r in runners.values()))
         run = {"threads": t, "floors": floors,
                "prefill": _prefill(runners, tokens[:prompt_tokens], floors, max(2, repeats // 2), hf),
                "decode": [_decode(runners, tokens, context, b, repeats, floors, hf) for b in sizes]}
@@ -160,6 +162,15 @@ def _dtype_of(runner) -> str:
     return str(runner.dtype).removeprefix("torch.")
 
 
+def _gemm_peak(floors: dict, runner) -> float:
+    """The GEMM peak a runner's linears can reach: the int8 probe's for int8 weights (where it was
+    measured), else its dtype's (or fp32's, for a runner of a dtype not probed)."""
+    peaks = floors["gemm_flops"]
+    if runner is not None and getattr(runner, "quantization", "none") == "int8" and "int8" in peaks:
+        return peaks["int8"]
+    return peaks.get(_dtype_of(runner) if runner is not None else "float32", peaks.get("float32"))
+
+
 def _parse_threads(text: str | None) -> list[int]:
     from engine.platform import available_cores, check_threads
 
@@ -187,9 +198,12 @@ def _machine() -> dict:
             "cores": platform.available_cores()}
 
 
-def _floors(dtypes: list[str], n: int, memcpy_mib: int) -> dict:
-    """GEMM peak FLOP/s per dtype and copy bandwidth (bytes read + written per s) at the current threads."""
+def _floors(dtypes: list[str], n: int, memcpy_mib: int, int8: bool = False) -> dict:
+    """GEMM peak FLOP/s per dtype (and, with ``int8``, ``torch._int_mm``'s int8 peak under "int8")
+    and copy bandwidth (bytes read + written per s) at the current threads."""
     import torch
+
+    from bench.floors import measure_int8_gemm_peak
 
     gemm = {}
     for name in dtypes:
@@ -197,6 +211,8 @@ def _floors(dtypes: list[str], n: int, memcpy_mib: int) -> dict:
         a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
         best = _best(lambda: torch.mm(a, b), 4)
         gemm[name] = 2 * n**3 / best
+    if int8:
+        gemm["int8"] = measure_int8_gemm_peak(n)
     src = torch.ones(memcpy_mib * 2**20 // 4)
     dst = torch.empty_like(src)
     best = _best(lambda: dst.copy_(src), 5)
@@ -310,7 +326,7 @@ def _prefill(runners: dict, prompt: list[int], floors: dict, repeats: int, hf) -
     flops = _prefill_flops(cfg, len(prompt))
     out = {"prompt_tokens": len(prompt), "flops": flops}
     for name, t in best.items():
-        peak = floors["gemm_flops"].get(_dtype_of(runners[name]) if name in runners else "float32")
+        peak = _gemm_peak(floors, runners.get(name))
         floor_s = flops / peak
         out[name] = {"tok_s": len(prompt) / t, "seconds": t, "floor_tok_s": len(prompt) / floor_s,
                      "fraction_of_floor": floor_s / t}
@@ -329,8 +345,7 @@ def _decode(runners: dict, tokens: list[int], context: int, batch: int, steps: i
     for name, t in best.items():
         runner = runners.get(name, runners.get("float32", first))
         weight = _weight_bytes(runner)
-        peak = floors["gemm_flops"].get(_dtype_of(runner) if name in runners else "float32",
-                                        floors["gemm_flops"].get("float32"))
+        peak = _gemm_peak(floors, runner if name in runners else None)
         kv = _kv_bytes_read(runner, batch, context)
         floor = decode_floor(weight, kv, flops, floors["memcpy_bytes_per_s"], peak)
         out[name] = {"ms_per_step": 1000 * t, "ms_per_step_median": 1000 * median[name],

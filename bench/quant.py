@@ -195,12 +195,12 @@ def decode_rows(runners: dict, context: int, steps: int, batches: tuple[int, ...
 
 def gemm_peaks(dtype: str) -> dict[str, float]:
     """GOP/s of the GEMM each method's linears run on: the dtype's torch.mm for none and fp8 (whose
-    CPU path multiplies in the model dtype), torch._int_mm for int8 (bench/floors.py)."""
+    CPU path multiplies in the model dtype), torch._int_mm for int8 (bench engine's probes)."""
     from bench.engine import _floors
-    from bench.floors import GEMM_SIZE, measure_int8_gemm_peak
+    from bench.floors import GEMM_SIZE
 
-    dense = _floors([dtype], GEMM_SIZE, 1)["gemm_flops"][dtype]
-    return {"none": round(dense / 1e9), "fp8": round(dense / 1e9), "int8": round(measure_int8_gemm_peak() / 1e9)}
+    peaks = _floors([dtype], GEMM_SIZE, 1, int8=True)["gemm_flops"]
+    return {"none": round(peaks[dtype] / 1e9), "fp8": round(peaks[dtype] / 1e9), "int8": round(peaks["int8"] / 1e9)}
 
 
 def add_floor(decode: list[dict], linears: list[dict], read_gbps: float, peak_gops: dict[str, float]) -> None:

@@ -27,3 +27,20 @@ def test_rows_are_every_dtype_method_and_kv_dtype_with_the_plain_dtype_keeping_i
                           "bfloat16", "bfloat16+kv:fp8_e4m3", "bfloat16+int8", "bfloat16+int8+kv:fp8_e4m3"]
     assert rows["bfloat16+int8"] == ("bfloat16", "int8", "auto")
     assert _short("bfloat16+int8+kv:fp8_e4m3") == "bf16+int8+kv:fp8" and _short("float32") == "fp32"
+
+
+def test_an_int8_row_takes_the_int8_gemm_peak_and_the_others_their_dtype():
+    from types import SimpleNamespace
+
+    import torch
+
+    from bench.engine import _gemm_peak
+
+    floors = {"gemm_flops": {"bfloat16": 400e9, "float32": 100e9, "int8": 850e9}}
+    int8 = SimpleNamespace(dtype=torch.bfloat16, quantization="int8")
+    fp8 = SimpleNamespace(dtype=torch.bfloat16, quantization="fp8")
+    assert _gemm_peak(floors, int8) == 850e9
+    assert _gemm_peak(floors, fp8) == 400e9       # FP8 weights are multiplied in bf16 on CPUs
+    assert _gemm_peak(floors, None) == 100e9      # the transformers row: fp32
+    # no int8 probe in the run (no int8 row asked for it): the dtype's peak
+    assert _gemm_peak({"gemm_flops": {"bfloat16": 400e9}}, int8) == 400e9
