@@ -55,7 +55,14 @@ this table: 18.827 (+0.84%). down_proj keeps 32 (the massive activations above).
 this table and not kept: down_proj at 64 outside the six layers whose inputs carry the massive
 activations (2, 9, 10, 11, 28, 29 here: max/median channel amax 48-4,033, the others 4-28) 18.857
 (+0.16% more, for ~12% of down_proj's 16-row time); the LM head at 64 18.841 (+0.07% more, its
-16-row call 808 -> 717 us), one scale per token 18.924."""
+16-row call 808 -> 717 us), one scale per token 18.924. Fake-quantized (bf16, 16,384 tokens, the
+same windows; 2026-12-06), against this table's +0.70%: qkv and gate_up at 96 +0.67%, at 192
++0.82%, at 192 with down_proj at 64 +1.05%; on 8,192 tokens, the 32 input channels of largest
+calibrated amax as one group and the rest as another (outliers apart, LLM.int8()-style) for qkv
+and gate_up +0.65% (+0.71% this table), for every linear +0.97%, one scale per token everywhere
++3.53%. Not taken: in the 16-row decode step the groups cost little (all 120 decoder linears at
+one scale per token: 6.56 -> 6.13 ms; 96: -0.14 ms, which AMX-INT8 would run in 32-channel
+steps instead of 64)."""
 
 
 def int8_act_group(name: str, in_features: int) -> int | None:

@@ -42,6 +42,17 @@
 // output and buffers, the serial quantization, the fork), and weights from DRAM: at 16 rows the
 // kernel at full speed reads ~29 GB/s of weight, ~3/4 of what the two cores read streaming (~40),
 // and the calls of the small linears (o_proj, qkv_proj) run ~30-50% slower cold than hot.
+// Measured on 2026-12-06 (the same host; the 120 decoder linears at 16 rows in sequence, random
+// weights on 4 KiB pages, A/B in one process; timestamps inside the call): per call ~2.1 us of
+// serial quantization, ~1.1 us until both threads start and ~0.3 us of join, ~4.7 us in all with
+// the threads' imbalance (~0.57 ms a step); hot, one thread, the kernel runs at 77-84% of
+// vpdpbusd's rate (one a cycle per core, 468 Gop/s at 3.65 GHz), and the model's linears called
+// in sequence, cold, at 67% of torch._int_mm's 853 Gop/s on both cores (bench quant's floor
+// columns; bf16's small_gemm reaches 88% of torch.mm's). Not kept: each thread asking its first
+// panel of the next call into L2 during its last panel (3.5% slower, also with 20 us between the
+// calls), prefetcht0 4-16 lines ahead in the first block (noise); and one scale per token
+// everywhere (no epilogue at all) saves only 6.5% of the 120 calls (6.56 -> 6.13 ms): it is not
+// the epilogue that holds 16 rows back.
 // In the model (bf16, int8, 2 threads, fused decoder loop, A/B alternating in one process, logits
 // equal bit for bit): a 2048-token prefill forward 746 -> 648 ms (1.15x; quiet lock, load 2.5), a
 // 1024-token one 978 -> 802 ms (heavy lock, load 3.8) against w8a8_gemm. At 1 row its panels make
