@@ -20,8 +20,10 @@ For each thread count (``--threads``, default 1 and all available cores) it meas
   figure beside it (``weights_floor_ms``) and both byte counts. A quantized configuration's
   memory floor counts the bytes it reads (int8/E4M3 weights, an E4M3 cache); its compute floor
   is the GEMM peak of what its linears multiply in: ``torch._int_mm``'s int8 peak for int8
-  (bench/floors.py measure_int8_gemm_peak, probed when an int8 row runs), its dtype's for the rest
-  (FP8 weights are multiplied as bf16 on CPUs).
+  (bench/floors.py measure_int8_gemm_peak, probed when an int8 row runs, on CPUs where oneDNN's
+  VNNI kernel runs it; elsewhere its dtype's), bf16's for fp8 where bf16 was probed (CPUs
+  multiply FP8 weights as bf16, whatever the model dtype), its dtype's for the rest. The int8 peak counts the prefill's attention FLOPs too (they run in the
+  dtype): a floor a few percent too fast, never one the measurement beats for that reason.
 
 Timing is wall clock, the configurations alternating repeat by repeat (a shared machine's load then
 lands on both alike). Decode is timed in its steady state: DECODE_WARMUP steps per dtype first,
@@ -163,11 +165,15 @@ def _dtype_of(runner) -> str:
 
 
 def _gemm_peak(floors: dict, runner) -> float:
-    """The GEMM peak a runner's linears can reach: the int8 probe's for int8 weights (where it was
-    measured), else its dtype's (or fp32's, for a runner of a dtype not probed)."""
+    """The GEMM peak a runner's linears can reach: the int8 probe's for int8 weights and bf16's for
+    fp8 ones (CPUs multiply them as bf16) where those were measured, else its dtype's (or fp32's,
+    for a runner of a dtype not probed: the transformers row)."""
     peaks = floors["gemm_flops"]
-    if runner is not None and getattr(runner, "quantization", "none") == "int8" and "int8" in peaks:
+    method = getattr(runner, "quantization", "none") if runner is not None else "none"
+    if method == "int8" and "int8" in peaks:
         return peaks["int8"]
+    if method == "fp8" and "bfloat16" in peaks:
+        return peaks["bfloat16"]
     return peaks.get(_dtype_of(runner) if runner is not None else "float32", peaks.get("float32"))
 
 
@@ -199,8 +205,9 @@ def _machine() -> dict:
 
 
 def _floors(dtypes: list[str], n: int, memcpy_mib: int, int8: bool = False) -> dict:
-    """GEMM peak FLOP/s per dtype (and, with ``int8``, ``torch._int_mm``'s int8 peak under "int8")
-    and copy bandwidth (bytes read + written per s) at the current threads."""
+    """GEMM peak FLOP/s per dtype (and, with ``int8``, ``torch._int_mm``'s int8 peak under "int8"
+    where oneDNN runs it: bench/floors.py) and copy bandwidth (bytes read + written per s) at the
+    current threads."""
     import torch
 
     from bench.floors import measure_int8_gemm_peak
@@ -211,8 +218,9 @@ def _floors(dtypes: list[str], n: int, memcpy_mib: int, int8: bool = False) -> d
         a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
         best = _best(lambda: torch.mm(a, b), 4)
         gemm[name] = 2 * n**3 / best
-    if int8:
-        gemm["int8"] = measure_int8_gemm_peak(n)
+    int8_peak = measure_int8_gemm_peak(n) if int8 else None
+    if int8_peak is not None:
+        gemm["int8"] = int8_peak
     src = torch.ones(memcpy_mib * 2**20 // 4)
     dst = torch.empty_like(src)
     best = _best(lambda: dst.copy_(src), 5)

@@ -110,15 +110,20 @@ def measure_read_bandwidth(mib: int = READ_MIB, repeats: int = 10) -> float:
     return src.numel() * 4 / best
 
 
-def measure_int8_gemm_peak(n: int = GEMM_SIZE, repeats: int = 4) -> float:
+def measure_int8_gemm_peak(n: int = GEMM_SIZE, repeats: int = 4) -> float | None:
     """int8 multiply-adds x 2 per second (best of ``repeats``) of ``torch._int_mm`` (oneDNN's s8 x s8
-    -> s32 GEMM, VNNI where the CPU has it) on n x n x n at the current torch threads: the int8
-    counterpart of the GEMM probe (2-core Zen 4, AVX512-VNNI: ~845e9, 0.9x vpdpbusd's peak of one
-    instruction a cycle per core; bf16 torch.mm ~430e9)."""
+    -> s32 GEMM) on n x n x n at the current torch threads: the int8 counterpart of the GEMM probe
+    (2-core Zen 4, AVX512-VNNI: 810-866e9, ~0.9x vpdpbusd's one instruction a cycle per core; bf16
+    torch.mm ~430e9). None where torch would not run it through oneDNN (mkldnn off, or a CPU without
+    AVX512-VNNI): its fallback there is a scalar loop ~100x slower, the peak of nothing."""
     import time
 
     import torch
 
+    from engine.platform import cpu_flags
+
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled and "avx512_vnni" in cpu_flags()):
+        return None
     a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
     b = torch.randint(-127, 128, (n, n), dtype=torch.int8)
     torch._int_mm(a, b)

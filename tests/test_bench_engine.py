@@ -38,9 +38,11 @@ def test_an_int8_row_takes_the_int8_gemm_peak_and_the_others_their_dtype():
 
     floors = {"gemm_flops": {"bfloat16": 400e9, "float32": 100e9, "int8": 850e9}}
     int8 = SimpleNamespace(dtype=torch.bfloat16, quantization="int8")
-    fp8 = SimpleNamespace(dtype=torch.bfloat16, quantization="fp8")
+    fp8_fp32 = SimpleNamespace(dtype=torch.float32, quantization="fp8")
+    none_fp32 = SimpleNamespace(dtype=torch.float32, quantization="none")
     assert _gemm_peak(floors, int8) == 850e9
-    assert _gemm_peak(floors, fp8) == 400e9       # FP8 weights are multiplied in bf16 on CPUs
-    assert _gemm_peak(floors, None) == 100e9      # the transformers row: fp32
-    # no int8 probe in the run (no int8 row asked for it): the dtype's peak
+    assert _gemm_peak(floors, fp8_fp32) == 400e9   # FP8 weights are multiplied as bf16 on CPUs
+    assert _gemm_peak(floors, none_fp32) == 100e9
+    assert _gemm_peak(floors, None) == 100e9       # the transformers row: fp32
+    # no int8 probe in the run (no int8 row, or no oneDNN VNNI kernel): the dtype's peak
     assert _gemm_peak({"gemm_flops": {"bfloat16": 400e9}}, int8) == 400e9

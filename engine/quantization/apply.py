@@ -45,8 +45,8 @@ INT8_ACT_GROUPS = {"self_attn.qkv_proj": 64, "self_attn.o_proj": 0, "mlp.gate_up
 """Input channels per activation scale of the INT8 linears whose inputs allow more than
 kernels.linear.ACT_GROUP (32; 0 = the whole row, one scale per token); unfused q/k/v and gate/up
 take their fused linear's. Wider groups are fewer int32 -> fp32 conversions in the kernel
-(kernels/csrc/int8_gemm.cpp), what bounds 16-row decode: at 16 rows, one thread, weights out of
-cache, qkv 57 -> 53 us, o 52 -> 46, gate_up 128 -> 110 (per layer 321 -> 293 us, down_proj's 84
+(kernels/csrc/int8_gemm.cpp), a part of 16-row decode (of the whole step less than it seemed:
+see the end of this note): at 16 rows, one thread, weights out of cache, qkv 57 -> 53 us, o 52 -> 46, gate_up 128 -> 110 (per layer 321 -> 293 us, down_proj's 84
 unchanged). Chosen by pdserve eval ppl (bf16, first 16,384 WikiText-2 test tokens, context 1024,
 stride 512): bf16 18.671; every linear at 32: 18.800 (+0.69%); one scale per token for qkv
 alone: 19.102 (+2.31%), for gate_up alone 18.950 (+1.50%), for o alone 18.817 (+0.78%): the
@@ -55,14 +55,15 @@ this table: 18.827 (+0.84%). down_proj keeps 32 (the massive activations above).
 this table and not kept: down_proj at 64 outside the six layers whose inputs carry the massive
 activations (2, 9, 10, 11, 28, 29 here: max/median channel amax 48-4,033, the others 4-28) 18.857
 (+0.16% more, for ~12% of down_proj's 16-row time); the LM head at 64 18.841 (+0.07% more, its
-16-row call 808 -> 717 us), one scale per token 18.924. Fake-quantized (bf16, 16,384 tokens, the
-same windows; 2026-12-06), against this table's +0.70%: qkv and gate_up at 96 +0.67%, at 192
-+0.82%, at 192 with down_proj at 64 +1.05%; on 8,192 tokens, the 32 input channels of largest
-calibrated amax as one group and the rest as another (outliers apart, LLM.int8()-style) for qkv
-and gate_up +0.65% (+0.71% this table), for every linear +0.97%, one scale per token everywhere
-+3.53%. Not taken: in the 16-row decode step the groups cost little (all 120 decoder linears at
-one scale per token: 6.56 -> 6.13 ms; 96: -0.14 ms, which AMX-INT8 would run in 32-channel
-steps instead of 64)."""
+16-row call 808 -> 717 us), one scale per token 18.924. Fake-quantized (weights and activations
+rounded in Python, bf16, 16,384 tokens, the same windows; 2026-12-06), where this table comes out
+at +0.70% (+0.84% above through the kernels): qkv and gate_up at 96 +0.67%, at 192 +0.82%, at 192
+with down_proj at 64 +1.05%; on 8,192 tokens, the 32 input channels of largest calibrated amax as
+one group and the rest as another (outliers apart, LLM.int8()-style) for qkv and gate_up +0.65%
+(this table +0.71%), for every linear +0.97%, one scale per token everywhere +3.53%. None taken,
+as the groups cost little of the 16-row decode step: all 120 decoder linears at one scale per
+token 6.56 -> 6.13 ms, at 96 -0.14 ms; and groups of 96 are not a multiple of 64, so AMX-INT8
+(int8_gemm_amx.cpp) would run them in 32-channel steps, slower there than the 64 they replace."""
 
 
 def int8_act_group(name: str, in_features: int) -> int | None:

@@ -45,14 +45,17 @@
 // Measured on 2026-12-06 (the same host; the 120 decoder linears at 16 rows in sequence, random
 // weights on 4 KiB pages, A/B in one process; timestamps inside the call): per call ~2.1 us of
 // serial quantization, ~1.1 us until both threads start and ~0.3 us of join, ~4.7 us in all with
-// the threads' imbalance (~0.57 ms a step); hot, one thread, the kernel runs at 77-84% of
-// vpdpbusd's rate (one a cycle per core, 468 Gop/s at 3.65 GHz), and the model's linears called
-// in sequence, cold, at 67% of torch._int_mm's 853 Gop/s on both cores (bench quant's floor
-// columns; bf16's small_gemm reaches 88% of torch.mm's). Not kept: each thread asking its first
-// panel of the next call into L2 during its last panel (3.5% slower, also with 20 us between the
-// calls), prefetcht0 4-16 lines ahead in the first block (noise); and one scale per token
-// everywhere (no epilogue at all) saves only 6.5% of the 120 calls (6.56 -> 6.13 ms): it is not
-// the epilogue that holds 16 rows back.
+// the threads' imbalance (the fixed cost above, measured inside the call: ~0.57 ms a step); whole
+// calls, hot, one thread (quantization and call overhead included, unlike the 92-94% above of the
+// micro-kernel alone) run at 77-84% of vpdpbusd's rate (one a cycle per core, 467 Gop/s at 3.65
+// GHz); the model's linears called in sequence, cold, at 67% of torch._int_mm's 853 Gop/s on both
+// cores (bench quant's floor columns; bf16's small_gemm reaches 88% of torch.mm's), while the two
+// cores' streaming reads measured 25-35 GB/s that day (bench/floors.py; the ~40 above is an
+// earlier day's). Not kept: each thread asking its first panel of the next call into L2 during
+// its last panel (3.5% slower, also with 20 us between the calls), prefetcht0 4-16 lines ahead in
+// the first block (noise); and one scale per token everywhere (no per-group int32 -> fp32
+// conversion and fma) saves only 6.5% of the 120 calls (6.56 -> 6.13 ms): it is not the groups
+// that hold 16 rows back.
 // In the model (bf16, int8, 2 threads, fused decoder loop, A/B alternating in one process, logits
 // equal bit for bit): a 2048-token prefill forward 746 -> 648 ms (1.15x; quiet lock, load 2.5), a
 // 1024-token one 978 -> 802 ms (heavy lock, load 3.8) against w8a8_gemm. At 1 row its panels make

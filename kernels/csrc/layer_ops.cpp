@@ -21,8 +21,8 @@
 //   logits at ~7 GB/s (27 us a row on one thread) and bf16 ones 5x slower.
 //
 // Rows are split over torch's intra-op threads only when there is enough work (>= 32K elements
-// per thread; silu_mul from 6K elements in all): at decode sizes a thread hand-off costs more than
-// the op. AVX-512 where the
+// per thread; silu_mul from 6K elements in all, 3K per thread): at decode sizes a thread hand-off
+// costs more than the op. AVX-512 where the
 // compiler targets it (-march=native), rows of a multiple of 16 elements (and AVX2 for silu_mul
 // of fp32 rows: 8 lanes); a scalar path otherwise.
 // Registered as torch operators in the same library as paged_attention.cpp: torch.ops.pdserve_ops.*.
@@ -46,10 +46,11 @@
 namespace {
 
 constexpr int64_t kGrainElements = 32768;
-// silu_mul's exp and division make it ~20x the work of a norm per element (~0.8 ns an element on
-// one Zen 4 core), so it pays to split from far fewer elements: rows of 1536 (the model's
+// silu_mul's exp and division make it far more work per element than a norm (~0.5 ns an element
+// on one Zen 4 core), so it pays to split from far fewer elements: rows of 1536 (the model's
 // intermediate size), 1 vs 2 threads, us: 3 rows 3.5 / 3.8, 4 rows 4.3 / 3.9, 16 rows
-// 12.9 / 9.0, 32 rows 24.5 / 15.2.
+// 12.9 / 9.0, 32 rows 24.5 / 15.2. From kSiluSplitElements in all, each thread takes at least
+// half of that (so many threads do not split 4 rows into 1-row hand-offs).
 constexpr int64_t kSiluSplitElements = 6144;
 
 template <typename T>
@@ -251,7 +252,8 @@ void silu_mul_impl(at::Tensor& out, const at::Tensor& gu) {
   const T* src = gu.data_ptr<T>();
   const int64_t ss = gu.stride(0);
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, rows, rows * n >= kSiluSplitElements ? 1 : rows, [&](int64_t b, int64_t e) {
+  const int64_t grain = rows * n >= kSiluSplitElements ? std::max<int64_t>(1, kSiluSplitElements / 2 / std::max<int64_t>(1, n)) : rows;
+  at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const T *g = src + t * ss, *u = g + n;
       T* o = op + t * n;
