@@ -22,8 +22,9 @@ For each thread count (``--threads``, default 1 and all available cores) it meas
   is the GEMM peak of what its linears multiply in: ``torch._int_mm``'s int8 peak for int8
   (bench/floors.py measure_int8_gemm_peak, probed when an int8 row runs, on CPUs where oneDNN's
   VNNI kernel runs it; elsewhere its dtype's), bf16's for fp8 where bf16 was probed (CPUs
-  multiply FP8 weights as bf16, whatever the model dtype), its dtype's for the rest. The int8 peak counts the prefill's attention FLOPs too (they run in the
-  dtype): a floor a few percent too fast, never one the measurement beats for that reason.
+  multiply FP8 weights as bf16, whatever the model dtype), its dtype's for the rest. The int8
+  peak counts the prefill's attention FLOPs too (they run in the dtype): a floor a few percent
+  too fast, never one the measurement beats for that reason.
 
 Timing is wall clock, the configurations alternating repeat by repeat (a shared machine's load then
 lands on both alike). Decode is timed in its steady state: DECODE_WARMUP steps per dtype first,

@@ -96,18 +96,12 @@ def measure_read_bandwidth(mib: int = READ_MIB, repeats: int = 10) -> float:
     2026-12-06), so a bench measures it in the run it compares against, and a kernel timed while
     the memory is less busy than during the probe can read faster than this "floor" (bf16 linears
     at 1 row: 106% of it in one run)."""
-    import time
-
     import torch
 
+    from bench.engine import _best
+
     src = torch.ones(mib * 2**20 // 4)
-    src.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        src.sum()
-        best = min(best, time.perf_counter() - t0)
-    return src.numel() * 4 / best
+    return src.numel() * 4 / _best(src.sum, repeats)
 
 
 def measure_int8_gemm_peak(n: int = GEMM_SIZE, repeats: int = 4) -> float | None:
@@ -116,20 +110,13 @@ def measure_int8_gemm_peak(n: int = GEMM_SIZE, repeats: int = 4) -> float | None
     (2-core Zen 4, AVX512-VNNI: 810-866e9, ~0.9x vpdpbusd's one instruction a cycle per core; bf16
     torch.mm ~430e9). None where torch would not run it through oneDNN (mkldnn off, or a CPU without
     AVX512-VNNI): its fallback there is a scalar loop ~100x slower, the peak of nothing."""
-    import time
-
     import torch
 
+    from bench.engine import _best
     from engine.platform import cpu_flags
 
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled and "avx512_vnni" in cpu_flags()):
         return None
     a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
     b = torch.randint(-127, 128, (n, n), dtype=torch.int8)
-    torch._int_mm(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch._int_mm(a, b)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+    return 2 * n**3 / _best(lambda: torch._int_mm(a, b), repeats)

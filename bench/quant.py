@@ -266,11 +266,11 @@ def _print_linears(rows: list[dict], result: dict) -> None:
 def _print_decode(rows: list[dict], result: dict) -> None:
     print(f"decode step, {result['dtype']}, {result['threads']} threads "
           f"(load {result['load_before']} before, {result['load_after']} after)")
-    print(f"(linears: the step's linears timed alone, above; rest = step - linears; floor = the larger of their weight "
-          f"bytes at {result.get('read_GBps_before')}/{result.get('read_GBps_after')} GB/s (the run's streaming read, "
-          f"before/after) and their ops at the method's GEMM peak, GOP/s {result.get('gemm_peak_GOPS')}; bound = the "
-          f"speed-up over none with every method's linears at their floor)")
     before, after = result.get("read_GBps_before"), result.get("read_GBps_after")
+    print(f"(linears: the step's linears timed alone, above; rest = step - linears; floor = the larger of their weight "
+          f"bytes at {before}/{after} GB/s (the run's streaming read, before/after) and their ops at the method's GEMM "
+          f"peak, GOP/s {result.get('gemm_peak_GOPS')}; bound = the speed-up over none with every method's linears at "
+          f"their floor)")
     if before and after and abs(before - after) > 0.15 * min(before, after):
         print(f"(the two reads differ by {abs(before - after) / min(before, after):.0%}: the host's memory was busier at one "
               "of them; the floors take the faster)")

@@ -22,9 +22,8 @@
 //
 // Rows are split over torch's intra-op threads only when there is enough work (>= 32K elements
 // per thread; silu_mul from 6K elements in all, 3K per thread): at decode sizes a thread hand-off
-// costs more than the op. AVX-512 where the
-// compiler targets it (-march=native), rows of a multiple of 16 elements (and AVX2 for silu_mul
-// of fp32 rows: 8 lanes); a scalar path otherwise.
+// costs more than the op. AVX-512 where the compiler targets it (-march=native), rows of a
+// multiple of 16 elements (and AVX2 for silu_mul of fp32 rows: 8 lanes); a scalar path otherwise.
 // Registered as torch operators in the same library as paged_attention.cpp: torch.ops.pdserve_ops.*.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
