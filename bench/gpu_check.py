@@ -11,6 +11,10 @@ against the HBM floor, in one run (a few minutes on an H200; the budget is 10).
    CUDA graph (engine/cuda_graphs.py), the graph's logits checked against eager; beside the
    HBM floor: weight bytes / device copy bandwidth measured here (and with the K/V bytes the
    step reads).
+4. Perplexity on cuda (evals/perplexity.py's sliding window, context 1024, stride 512, over the
+   first --ppl-tokens tokens of --text): fp32 against the CPU fp32 reference, then the quality
+   gate of the quantized paths against cuda at --dtype: FP8 weights (Fp8Linear's _scaled_mm or
+   Triton kernel) <= +2%, an FP8 E4M3 KV cache (the Triton decode kernel over FP8 blocks) <= +1%.
 
 Prints a table, writes JSON (--json). Exit status 0 when every check passed, 1 otherwise; on a
 machine without CUDA it prints one line and exits with status 2. Run as ``pdserve bench
@@ -23,6 +27,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -32,6 +37,11 @@ from engine.errors import UserError
 # top-2 logit gap is below this: fp32 differs by summation order only; bf16/fp16 logits of a
 # 30-layer model move by a few tenths.
 NEAR_TIE = {"float32": 1e-3, "bfloat16": 0.5, "float16": 0.25}
+# Perplexity: cuda fp32 against CPU fp32 (summation order only), and issue 12's quality goals for
+# the quantized paths against the unquantized run of the same dtype.
+PPL_FP32_TOL = 1e-3
+PPL_GOALS = {("fp8", "auto"): 0.02, ("none", "fp8_e4m3"): 0.01, ("fp8", "fp8_e4m3"): None}
+PPL_CONTEXT, PPL_STRIDE = 1024, 512
 PROMPTS = (
     "The capital of France is",
     "Write a short poem about the sea.",
@@ -69,14 +79,42 @@ def greedy_agreement(ref_tokens: list[int], ref_gaps: list[float], tokens: list[
     return {"steps": len(tokens), "differ": len(differ), "differ_not_near_tie": bad, "ok": not bad}
 
 
+def perplexity_checks(runs: list[dict], dtype: str) -> list[dict]:
+    """Checks of the perplexity runs (``_perplexity``'s records: device, dtype, quantization,
+    kv_cache_dtype, perplexity): cuda fp32 against cpu fp32 within PPL_FP32_TOL, and each quantized
+    cuda run at ``dtype`` against the unquantized one within its PPL_GOALS entry (relative increase)."""
+    def find(device: str, run_dtype: str, quant: str = "none", kv: str = "auto") -> dict | None:
+        return next((r for r in runs if (r["device"], r["dtype"], r["quantization"], r["kv_cache_dtype"])
+                     == (device, run_dtype, quant, kv)), None)
+
+    out = []
+    cpu, cuda32 = find("cpu", "float32"), find("cuda", "float32")
+    if cpu is not None and cuda32 is not None:
+        out.append(check(f"perplexity cuda fp32 vs cpu fp32 ({cuda32['perplexity']:.4f} vs {cpu['perplexity']:.4f}), "
+                         "rel.", abs(cuda32["perplexity"] / cpu["perplexity"] - 1), PPL_FP32_TOL))
+    base = find("cuda", dtype)
+    if base is None:
+        return out
+    if cpu is not None and dtype != "float32":
+        out.append(check(f"perplexity cuda {dtype} vs cpu fp32 ({base['perplexity']:.4f}), rel.",
+                         abs(base["perplexity"] / cpu["perplexity"] - 1), None))
+    for (quant, kv), goal in PPL_GOALS.items():
+        run = find("cuda", dtype, quant, kv)
+        if run is not None:
+            delta = run["perplexity"] / base["perplexity"] - 1
+            out.append(check(f"perplexity {dtype} w={quant} kv={kv} ({run['perplexity']:.4f}) vs w=none kv=auto, "
+                             "increase", delta, goal))
+    return out
+
+
 def format_report(result: dict) -> str:
     """The checks and the decode table as text."""
     lines = [f"gpu-check on {result.get('device', '?')}: copy bandwidth "
              f"{result.get('bandwidth_GBps', float('nan')):.0f} GB/s, weights "
-             f"{result.get('weight_bytes', 0) / 1e6:.0f} MB", "", f"{'check':<52}{'max err':>12}{'tol':>10}  ok"]
+             f"{result.get('weight_bytes', 0) / 1e6:.0f} MB", "", f"{'check':<78}{'max err':>12}{'tol':>10}  ok"]
     for c in result.get("checks", []):
         tol = "-" if c["tol"] is None else f"{c['tol']:.2g}"
-        lines.append(f"{c['name']:<52}{c['max_err']:>12.3g}{tol:>10}  {'yes' if c['ok'] else 'NO'}")
+        lines.append(f"{c['name']:<78}{c['max_err']:>12.3g}{tol:>10}  {'yes' if c['ok'] else 'NO'}")
     if result.get("decode"):
         lines += ["", f"{'batch':>5}{'context':>9}{'eager ms':>10}{'graph ms':>10}{'floor ms':>10}"
                       f"{'+KV floor':>11}{'graph/floor':>13}"]
@@ -97,6 +135,8 @@ def command(
     steps: int = typer.Option(50, "--steps", help="Timed decode steps per batch size."),
     greedy_tokens: int = typer.Option(24, "--greedy-tokens", help="Teacher-forced tokens per prompt."),
     skip_model: bool = typer.Option(False, "--skip-model", help="Kernels only (no model on this machine)."),
+    text: Optional[Path] = typer.Option(None, "--text", help="Perplexity text (default ../shared/data/wikitext-2-raw-test.txt)."),
+    ppl_tokens: int = typer.Option(8192, "--ppl-tokens", help="Tokens of --text in the perplexity checks (0: none)."),
 ) -> None:
     """Check every CUDA/Triton path against the torch reference; decode ms/step vs the HBM floor."""
     import torch
@@ -109,7 +149,10 @@ def command(
         import triton
     except ImportError as e:
         raise UserError(f"gpu-check needs triton (pip install triton): {e}") from e
+    if ppl_tokens < 0 or ppl_tokens == 1:
+        raise UserError(f"--ppl-tokens must be 0 (no perplexity checks) or >= 2, got {ppl_tokens}")
     model_path = None if skip_model else _resolve(model)
+    token_ids = _ppl_tokens(model_path, text, ppl_tokens) if model_path is not None and ppl_tokens else None
     started = time.perf_counter()
     dev = torch.device("cuda")
     result: dict = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
@@ -121,6 +164,9 @@ def command(
         decode, graph_checks, result["weight_bytes"] = _decode_timing(model_path, getattr(torch, dtype), context,
                                                                        steps, result["bandwidth_GBps"] * 1e9)
         result["decode"], result["checks"] = decode, result["checks"] + graph_checks
+        if token_ids is not None:
+            result["perplexity"] = _perplexity(model_path, getattr(torch, dtype), token_ids)
+            result["checks"] += perplexity_checks(result["perplexity"], dtype)
     result["ok"] = all(c["ok"] for c in result["checks"])
     result["seconds"] = time.perf_counter() - started
     print(format_report(result))
@@ -371,6 +417,53 @@ def _teacher_forced(runner, prompt: list[int], steps: int, forced: list[int] | N
         nxt = forced[i] if forced is not None else tokens[-1]
         logits = runner.forward([SeqChunk([nxt], len(prompt) + i, table)])[0]
     return tokens, torch.stack(rows)
+
+
+# -- 4. perplexity on cuda ---------------------------------------------------------------------
+def _ppl_tokens(model_path: Path, text: Path | None, num_tokens: int) -> list[int]:
+    """The first ``num_tokens`` tokens of ``text`` (UserError naming --text when it cannot be read)."""
+    from evals.perplexity import DEFAULT_TEXT
+    from engine.model_loader import load_tokenizer
+
+    path = text or DEFAULT_TEXT
+    try:
+        body = path.read_text(encoding="utf-8")[:num_tokens * 8]   # ~4 characters a token: 8 leaves a margin
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--text: cannot read {str(path)!r} ({e.strerror if isinstance(e, OSError) else e}); "
+                        "name a text file, or --ppl-tokens 0 to leave the perplexity checks out") from None
+    ids = load_tokenizer(model_path)(body)["input_ids"][:num_tokens]
+    if len(ids) < 2:
+        raise UserError(f"--text: {str(path)!r} has {len(ids)} tokens; at least 2 are needed")
+    return ids
+
+
+def _perplexity(model_path: Path, dtype, token_ids: list[int]) -> list[dict]:
+    """Perplexity records: cpu fp32 (the torch reference), cuda fp32, cuda ``dtype`` unquantized
+    and in each PPL_GOALS configuration (the triton attention backend)."""
+    import torch
+
+    from engine.model_runner import ModelRunner
+    from evals.perplexity import evaluate
+
+    name = str(dtype).removeprefix("torch.")
+    configs = [("cpu", "float32", "none", "auto"), ("cuda", "float32", "none", "auto"), ("cuda", name, "none", "auto")]
+    configs += [("cuda", name, q, kv) for q, kv in PPL_GOALS]
+    out = []
+    for device, run_dtype, quant, kv in dict.fromkeys(configs):
+        started = time.perf_counter()
+        runner = ModelRunner(model_path, dtype=getattr(torch, run_dtype), device=device,
+                             attention_backend="triton" if device == "cuda" else "torch", quantization=quant,
+                             kv_cache_dtype=kv, num_blocks=-(-PPL_CONTEXT // 16))
+        r = evaluate(runner, token_ids, PPL_CONTEXT, PPL_STRIDE)
+        out.append({"device": device, "dtype": run_dtype, "quantization": quant, "kv_cache_dtype": kv,
+                    "perplexity": r.perplexity, "num_tokens": r.num_tokens,
+                    "seconds": round(time.perf_counter() - started, 1)})
+        print(f"perplexity {device} {run_dtype} w={quant} kv={kv}: {r.perplexity:.4f} "
+              f"({r.num_tokens} tokens, {out[-1]['seconds']} s)", flush=True)
+        del runner
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
 
 
 # -- 3. decode speed against the HBM floor ------------------------------------------------------

@@ -115,7 +115,7 @@ def evaluate(runner, token_ids: Sequence[int], context: int, stride: int, *, dec
     for w in windows:
         logits, targets, n_dec = _window_logits(runner, token_ids, w, block_table, decode_tokens, chunk_tokens)
         logprobs = torch.log_softmax(logits.float(), dim=-1)
-        nll_sum -= float(logprobs.gather(1, targets[:, None]).sum())
+        nll_sum -= float(logprobs.gather(1, targets.to(logprobs.device)[:, None]).sum())
         scored += len(targets)
         decoded += n_dec
         if progress is not None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_check import check, decode_kv_bytes, format_report, greedy_agreement, hbm_floor_ms
+from bench.gpu_check import check, decode_kv_bytes, format_report, greedy_agreement, hbm_floor_ms, perplexity_checks
 from engine.batch import SeqChunk
 from engine.cuda_graphs import pad_decode_batch
 
@@ -90,3 +90,32 @@ def test_pad_decode_batch():
 def test_pad_decode_batch_refuses(chunks, message):
     with pytest.raises(ValueError, match=message):
         pad_decode_batch(chunks, batch_size=4, max_blocks=3, block_size=4, scratch_block=15)
+
+
+def _ppl(device, dtype, ppl, quant="none", kv="auto"):
+    return {"device": device, "dtype": dtype, "quantization": quant, "kv_cache_dtype": kv, "perplexity": ppl}
+
+
+def test_perplexity_checks():
+    runs = [_ppl("cpu", "float32", 20.0), _ppl("cuda", "float32", 20.01), _ppl("cuda", "bfloat16", 20.2),
+            _ppl("cuda", "bfloat16", 20.5, "fp8"), _ppl("cuda", "bfloat16", 20.5, kv="fp8_e4m3"),
+            _ppl("cuda", "bfloat16", 21.0, "fp8", "fp8_e4m3")]
+    checks = {c["name"].split(" (")[0]: c for c in perplexity_checks(runs, "bfloat16")}
+    fp32 = checks["perplexity cuda fp32 vs cpu fp32"]
+    assert fp32["max_err"] == pytest.approx(5e-4) and fp32["ok"]
+    assert checks["perplexity cuda bfloat16 vs cpu fp32"]["tol"] is None
+    fp8 = checks["perplexity bfloat16 w=fp8 kv=auto"]            # +1.49%: inside the 2% goal
+    assert fp8["max_err"] == pytest.approx(20.5 / 20.2 - 1) and fp8["tol"] == 0.02 and fp8["ok"]
+    assert not checks["perplexity bfloat16 w=none kv=fp8_e4m3"]["ok"]   # +1.49% against a 1% goal
+    assert checks["perplexity bfloat16 w=fp8 kv=fp8_e4m3"]["tol"] is None
+    runs[1]["perplexity"] = 20.1                                  # fp32 on cuda 0.5% off cpu: a bug
+    assert not perplexity_checks(runs, "bfloat16")[0]["ok"]
+    assert perplexity_checks(runs[:1], "bfloat16") == []          # no cuda runs: nothing to check
+
+
+def test_ppl_tokens_bad_text_names_the_option(tmp_path):
+    from bench.gpu_check import _ppl_tokens
+    from engine.errors import UserError
+
+    with pytest.raises(UserError, match="--text: cannot read .*--ppl-tokens 0"):
+        _ppl_tokens(tmp_path, tmp_path / "missing.txt", 16)
