@@ -3,13 +3,14 @@ beside the model (never a silent 1.0), and prefill-then-decode equal to one pref
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from engine.errors import UserError
-from engine.quantization.kv_scales import KVScales, calibrate_kv, load_or_calibrate
+from engine.quantization.kv_scales import KVScales, calibrate_kv, load_or_calibrate, weights_fingerprint
 from kernels.attention import AttentionMetadata
 from kernels.torch_ref import dequantize_kv, paged_attention, quantize_kv, write_kv_cache
 
@@ -121,7 +122,8 @@ def test_a_format_1_file_is_recalibrated(tmp_path):
     (tmp_path / "pdserve_kv_scales.json").write_text(json.dumps(
         {"format_version": 1, "dtype": "fp8_e4m3", "k_scale": [[1.0, 1.0]] * 3, "v_scale": [[1.0, 1.0]] * 3}))
     got = load_or_calibrate(tmp_path, 3, HKV, D, _scales)
-    assert got == _scales() and json.loads((tmp_path / "pdserve_kv_scales.json").read_text())["format_version"] == 2
+    assert dataclasses.replace(got, weights="") == _scales() and got.weights == weights_fingerprint(tmp_path)
+    assert json.loads((tmp_path / "pdserve_kv_scales.json").read_text())["format_version"] == 2
 
 
 def _file(**change) -> str:

@@ -147,3 +147,65 @@ def test_serve_reports_a_workers_bad_scales_file_in_one_line(ray_session, model_
             pass
     message = str(e.value)
     assert "\n" not in message and str(d) in message and "not JSON" in message, message
+
+
+def _checkpoint(into: Path, seed: int) -> None:
+    from safetensors.torch import save_file
+
+    into.mkdir(exist_ok=True)
+    (into / "config.json").write_text('{"num_hidden_layers": 3}')
+    save_file({"w": torch.randn(512, 256, generator=torch.Generator().manual_seed(seed))}, into / "model.safetensors")
+
+
+def test_scales_calibrated_on_other_weights_are_recalibrated(tmp_path, caplog):
+    """A checkpoint replaced in place (a fine-tune written over model.safetensors) must not keep
+    the old weights' KV scales: the file records the weights' fingerprint and a mismatch
+    recalibrates, with a warning. Unchanged weights reuse the file; so does a file from before
+    fingerprints were recorded."""
+    from engine.quantization.kv_scales import KVScales, weights_fingerprint
+
+    _checkpoint(tmp_path, seed=0)
+    calls = []
+
+    def calibrate() -> KVScales:
+        calls.append(1)
+        return KVScales.from_dict(_good(), LAYERS, HKV, D, "test")
+
+    first = load_or_calibrate(tmp_path, LAYERS, HKV, D, calibrate)
+    stored = json.loads((tmp_path / KV_SCALES_FILE).read_text())
+    assert len(calls) == 1 and stored["weights"] == first.weights == weights_fingerprint(tmp_path)
+    assert load_or_calibrate(tmp_path, LAYERS, HKV, D, _never) == first      # same weights: read, not recalibrated
+
+    _checkpoint(tmp_path, seed=1)                                            # the checkpoint replaced in place
+    assert weights_fingerprint(tmp_path) != first.weights
+    with caplog.at_level("WARNING", logger="engine.quantization.kv_scales"):
+        second = load_or_calibrate(tmp_path, LAYERS, HKV, D, calibrate)
+    assert len(calls) == 2 and second.weights == weights_fingerprint(tmp_path)
+    assert "calibrated on other weights" in caplog.text
+    assert json.loads((tmp_path / KV_SCALES_FILE).read_text())["weights"] == second.weights
+
+    legacy = _good()                                                         # no "weights": used as it is
+    (tmp_path / KV_SCALES_FILE).write_text(json.dumps(legacy))
+    assert load_or_calibrate(tmp_path, LAYERS, HKV, D, _never).weights == ""
+    legacy["weights"] = 7
+    (tmp_path / KV_SCALES_FILE).write_text(json.dumps(legacy))
+    _expect_user_error(tmp_path, "weights must be the fingerprint")
+
+
+def test_weights_fingerprint_reads_samples_not_the_whole_file(tmp_path):
+    """Every 4 KiB sample and the header count; a config change counts; nothing else is read."""
+    from engine.quantization.kv_scales import weights_fingerprint
+
+    _checkpoint(tmp_path, seed=0)
+    base = weights_fingerprint(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    data[header_end] ^= 0xFF                   # the first byte of the data: inside the first sample
+    weights.write_bytes(bytes(data))
+    assert weights_fingerprint(tmp_path) != base
+    data[header_end] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert weights_fingerprint(tmp_path) == base
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 4}')
+    assert weights_fingerprint(tmp_path) != base

@@ -25,7 +25,11 @@ The calibration pass reads ``calibration.txt`` (about 450 tokens of held text sh
 never the evaluation text). The parameters live in ``<model dir>/pdserve_kv_scales.json``,
 written once (atomically, under a lock) by the first engine started with ``--kv-cache-dtype
 fp8_e4m3`` and read by every later one, so a prefill and a decode worker of one model hold the
-same parameters (the transfer compatibility key carries their digest). A missing file is
+same parameters (the transfer compatibility key carries their digest). The file records a
+fingerprint of the weights it was calibrated on (``weights_fingerprint``); a file whose fingerprint
+differs from the weights now in the directory (a checkpoint replaced in place, say by a fine-tune)
+is recalibrated with a warning, never used stale; a file without one (written before pdserve
+recorded it) is used as it is. A missing file is
 calibrated, never replaced by a silent 1.0; a file of format 1 (scales without offsets, from an
 older pdserve) is recalibrated; a malformed one (shapes other than the model's, scales fp32 cannot
 hold, offsets bf16 or fp16 cannot hold exactly, not UTF-8 JSON) or one that cannot be stored is
@@ -80,6 +84,7 @@ class KVScales:
     k_offset: Offsets = ()
     v_offset: Offsets = ()
     calibration: str = ""     # how they were obtained (tokens, text, dtype), for people
+    weights: str = ""         # weights_fingerprint of the model calibrated on ("": not recorded)
 
     def digest(self) -> str:
         """16 hex digits of SHA-256 over scales and offsets (exact float reprs): equal iff they are."""
@@ -103,6 +108,7 @@ class KVScales:
 
     def to_json(self) -> str:
         fields = {"format_version": FORMAT_VERSION, "dtype": "fp8_e4m3", "calibration": self.calibration,
+                  **({"weights": self.weights} if self.weights else {}),
                   "k_scale": self.k_scale, "v_scale": self.v_scale, "k_offset": self.k_offset, "v_offset": self.v_offset}
 
         def value(v: object) -> str:   # a list one layer a line: 30 layers x 3 heads x 64 channels stay readable
@@ -143,7 +149,10 @@ class KVScales:
             if not _exact_in_bf16_and_fp16(rows):
                 raise bad(f"{name} values must be numbers bf16 and fp16 both hold exactly (as calibration writes them)")
             offsets.append(tuple(tuple(tuple(float(x) for x in h) for h in r) for r in rows))
-        return cls(scales[0], scales[1], offsets[0], offsets[1], str(obj.get("calibration", "")))
+        weights = obj.get("weights", "")
+        if not isinstance(weights, str):
+            raise bad("weights must be the fingerprint string calibration writes")
+        return cls(scales[0], scales[1], offsets[0], offsets[1], str(obj.get("calibration", "")), weights)
 
 
 def calibrate_kv(keys: Sequence["torch.Tensor"], values: Sequence["torch.Tensor"], calibration: str) -> KVScales:
@@ -168,23 +177,63 @@ def calibrate_kv(keys: Sequence["torch.Tensor"], values: Sequence["torch.Tensor"
                     tuple(_nested(o) for o in k_off), tuple(_nested(o) for o in v_off), calibration)
 
 
+def weights_fingerprint(model_dir: Path) -> str:
+    """16 hex digits of SHA-256 over what identifies a checkpoint's weights: config.json, and for
+    each ``*.safetensors`` file its name, size, header (tensor names, dtypes, shapes, offsets) and
+    64 samples of 4 KiB spread evenly over its data (the whole data when smaller than that). It
+    changes when a checkpoint is replaced (a fine-tune or another quantization moves every sample),
+    not necessarily for a single edited byte; it reads ~256 KiB, not the weights. Raises OSError
+    when a file cannot be read."""
+    model_dir = Path(model_dir)
+    h = hashlib.sha256()
+    config = model_dir / "config.json"
+    h.update(config.read_bytes() if config.is_file() else b"")
+    for path in sorted(model_dir.glob("*.safetensors")):
+        size = path.stat().st_size
+        h.update(f"\0{path.name}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            head = f.read(8)
+            header_len = int.from_bytes(head, "little") if len(head) == 8 else 0
+            h.update(head + f.read(min(header_len, max(0, size - 8))))
+            start = f.tell()
+            data = size - start
+            step = max(_SAMPLE, data // _SAMPLES)
+            for offset in range(start, size, step):
+                f.seek(offset)
+                h.update(f.read(_SAMPLE))
+    return h.hexdigest()[:16]
+
+
+_SAMPLE, _SAMPLES = 4096, 64
+
+
 def load_or_calibrate(model_dir: Path, num_layers: int, num_kv_heads: int, head_dim: int,
                       calibrate: Callable[[], KVScales]) -> KVScales:
-    """The model's stored parameters; if there are none (or only format 1's), ``calibrate()`` and
-    store them (once, locked). UserError naming the file for one that is malformed, unreadable or
-    cannot be written (a read-only file system, a directory in its place)."""
+    """The model's stored parameters; if there are none, only format 1's, or ones calibrated on
+    other weights (their fingerprint differs from ``weights_fingerprint(model_dir)``),
+    ``calibrate()`` and store them with the fingerprint (once, locked). UserError naming the file
+    for one that is malformed, unreadable or cannot be written (a read-only file system, a
+    directory in its place)."""
+    from dataclasses import replace
+
     from engine.model_loader import _file_lock
 
     path = Path(model_dir) / KV_SCALES_FILE
-    stored = _read(path, num_layers, num_kv_heads, head_dim)
+    try:
+        weights = weights_fingerprint(Path(model_dir))
+    except OSError as e:
+        raise UserError(f"--kv-cache-dtype fp8_e4m3: cannot read the weights in {model_dir} "
+                        f"to check their KV scales: {e.strerror or e}") from None
+    stored = _current(_read(path, num_layers, num_kv_heads, head_dim), weights, path)
     if stored is not None:
         return stored
     try:
         with _file_lock(Path(model_dir) / f".{KV_SCALES_FILE}.lock"):
-            stored = _read(path, num_layers, num_kv_heads, head_dim)   # another process calibrated while we waited
+            # another process may have calibrated while we waited
+            stored = _current(_read(path, num_layers, num_kv_heads, head_dim), weights, path, quiet=True)
             if stored is not None:
                 return stored
-            scales = calibrate()
+            scales = replace(calibrate(), weights=weights)
             fd, tmp = tempfile.mkstemp(prefix=f".{KV_SCALES_FILE}.", dir=model_dir)
             with os.fdopen(fd, "w") as f:
                 f.write(scales.to_json())
@@ -195,6 +244,16 @@ def load_or_calibrate(model_dir: Path, num_layers: int, num_kv_heads: int, head_
         raise UserError(f"--kv-cache-dtype fp8_e4m3: no current KV scales in {model_dir} and they cannot be "
                         f"stored there ({e.strerror or e}); run once where the model directory is writable, "
                         f"or copy {KV_SCALES_FILE} from a machine that has it") from None
+
+
+def _current(stored: KVScales | None, weights: str, path: Path, quiet: bool = False) -> KVScales | None:
+    """``stored`` unless it records a fingerprint other than ``weights`` (None: recalibrate)."""
+    if stored is None or not stored.weights or stored.weights == weights:
+        return stored
+    if not quiet:
+        log.warning("%s was calibrated on other weights (fingerprint %s, the directory's weights now %s): "
+                    "recalibrating the FP8 KV scales", path, stored.weights, weights)
+    return None
 
 
 def _read(path: Path, num_layers: int, num_kv_heads: int, head_dim: int) -> KVScales | None:
