@@ -175,9 +175,10 @@ def command(
     runs = []
     for cfg in configs:
         runs.append(run_config(model, cfg, token_ids, context, stride, decode_tokens))
-        if compare:  # a row as each run finishes (the table at the end repeats them)
+        if compare:
             _add_delta(runs)
-            print(_format_row(runs[-1]), file=sys.stderr, flush=True)
+            if sys.stderr.isatty():   # a row as each run finishes, for a person watching; in a log the table has them
+                print(_format_row(runs[-1]), file=sys.stderr, flush=True)
     meta = {"model": model, "text": str(text_path), "context": context, "stride": stride, "load": _load()}
     result = {**runs[0], **meta} if not compare else {"runs": runs, **meta}
     _print_table(runs, meta)

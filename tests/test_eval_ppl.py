@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +88,21 @@ def test_cli_writes_the_json_the_issue_names(model_path, tmp_path, monkeypatch, 
     assert obj["config"] == {"dtype": "float32", "quantization": "none", "kv_cache_dtype": "auto"}
     assert obj["num_tokens"] == 63 and 1 < obj["perplexity"] < 1000
     assert "perplexity" in capsys.readouterr().out
+
+
+@pytest.mark.model
+def test_compare_off_a_tty_prints_each_row_once(model_path, monkeypatch, capsys):
+    """Rows as each run finishes are for a terminal; in a log (stderr not a tty) the table alone
+    holds them, so `2>&1 | tee` shows each configuration once."""
+    from deploy import cli
+
+    monkeypatch.setattr(sys, "argv", ["pdserve", "eval", "ppl", "--max-tokens", "48", "--context", "32",
+                                      "--stride", "16", "--compare", "--matrix", "none/auto,none/fp8_e4m3"])
+    cli.main()
+    captured = capsys.readouterr()
+    rows = [line for line in (captured.out + captured.err).splitlines()   # (not tqdm's "float32 w=none ..." bars)
+            if re.match(r"float32 +none +(auto|fp8_e4m3) +\d", line)]
+    assert len(rows) == 2 and rows[0].split()[2] == "auto" and rows[1].split()[2] == "fp8_e4m3", rows
 
 
 def test_unknown_quantization_is_one_line_exit_2():
