@@ -56,6 +56,20 @@
 // the first block (noise); and one scale per token everywhere (no per-group int32 -> fp32
 // conversion and fma) saves only 6.5% of the 120 calls (6.56 -> 6.13 ms): it is not the groups
 // that hold 16 rows back.
+// Where the rest goes, measured the next session (2026-12-06, same host, the 121 linears of a step
+// at 16 rows in sequence from Python, A/B in one process, best of 8-10): cold (every weight from
+// DRAM) 7.3-8.5 ms against 5.3-6.7 hot (one layer's weights over and over), i.e. 13-40% lost to
+// memory, varying with the host's load. Not kept: the panel in K chunks of 64-384 channels (each
+// chunk L1-resident across the 4 row blocks, fp32 sums spilled between chunks): hot 5.30 -> 5.67-6.37
+// ms, the smaller chunks the slower; the 3 tiles of a panel interleaved line by line (one
+// contiguous stream per thread): cold 8.47 -> 8.59 ms, and with no software prefetch 9.74 (the
+// hardware prefetcher alone is 15% slower); the whole next linear asked into L2/L3 (T0, T1, T2,
+// NTA) spread over the call: 8.5 -> 9.7-11.9 ms; the next call's first 1-4 panels asked during the
+// last 1-2 panels: within 2%; the weights in one arena faulted in on huge pages: same as torch's
+// tensors collapsed (7.33 vs 7.37 ms). A synthetic replica in C (the same call sequence and sizes,
+// 48-column panels read 4 times with 4 vpdpbusd a line, the next panel asked into L2, an OpenMP
+// region a call, even a 3 us serial phase a call) loses only 6-8% cold against hot: what costs
+// this kernel more is not the prefetch distance, the page size or the panel layout.
 // In the model (bf16, int8, 2 threads, fused decoder loop, A/B alternating in one process, logits
 // equal bit for bit): a 2048-token prefill forward 746 -> 648 ms (1.15x; quiet lock, load 2.5), a
 // 1024-token one 978 -> 802 ms (heavy lock, load 3.8) against w8a8_gemm. At 1 row its panels make
