@@ -66,10 +66,13 @@
 // hardware prefetcher alone is 15% slower); the whole next linear asked into L2/L3 (T0, T1, T2,
 // NTA) spread over the call: 8.5 -> 9.7-11.9 ms; the next call's first 1-4 panels asked during the
 // last 1-2 panels: within 2%; the weights in one arena faulted in on huge pages: same as torch's
-// tensors collapsed (7.33 vs 7.37 ms). A synthetic replica in C (the same call sequence and sizes,
-// 48-column panels read 4 times with 4 vpdpbusd a line, the next panel asked into L2, an OpenMP
-// region a call, even a 3 us serial phase a call) loses only 6-8% cold against hot: what costs
-// this kernel more is not the prefetch distance, the page size or the panel layout.
+// tensors collapsed (7.33 vs 7.37 ms); nor is it the kernel's other parts: without the activation
+// quantization, with one group, without the output stores or with a preallocated output, cold
+// still loses 13-20% against hot (measured together, one minute). A synthetic replica in C (the
+// same call sequence and sizes, 48-column panels read 4 times with 4 vpdpbusd a line, the next
+// panel asked into L2, an OpenMP region a call) loses 7-16% cold, depending on the minute: the
+// loss is the host's DRAM under this compute density, not this kernel's layout or prefetches. (The
+// host's speed itself moves: the same hot run took 6.4 ms and, a minute before, 9.3.)
 // In the model (bf16, int8, 2 threads, fused decoder loop, A/B alternating in one process, logits
 // equal bit for bit): a 2048-token prefill forward 746 -> 648 ms (1.15x; quiet lock, load 2.5), a
 // 1024-token one 978 -> 802 ms (heavy lock, load 3.8) against w8a8_gemm. At 1 row its panels make
