@@ -132,6 +132,7 @@ def test_offsets_calibration_could_not_have_written_are_refused(tmp_path):
 
 
 @pytest.mark.model
+@pytest.mark.ray
 def test_serve_reports_a_workers_bad_scales_file_in_one_line(ray_session, model_path, tmp_path):
     """The file is read inside the worker actors; the driver gets Ray's task error, whose text
     is the actor's traceback: ClusterController.start re-raises the worker's own UserError."""
@@ -209,3 +210,31 @@ def test_weights_fingerprint_reads_samples_not_the_whole_file(tmp_path):
     assert weights_fingerprint(tmp_path) == base
     (tmp_path / "config.json").write_text('{"num_hidden_layers": 4}')
     assert weights_fingerprint(tmp_path) != base
+
+
+def test_weights_that_cannot_be_read_are_named(tmp_path):
+    (tmp_path / "model.safetensors").mkdir()                                 # a directory in a weight file's place
+    with pytest.raises(UserError, match=r"cannot read .*model\.safetensors .*fix or remove it") as e:
+        load_or_calibrate(tmp_path, LAYERS, HKV, D, _never)
+    assert "\n" not in str(e.value)
+
+
+def test_a_bogus_header_length_is_not_read_as_a_header(tmp_path):
+    """A file whose first 8 bytes claim a huge header is hashed from its samples, not read whole."""
+    from engine.quantization.kv_scales import weights_fingerprint
+
+    (tmp_path / "model.safetensors").write_bytes((2 ** 62).to_bytes(8, "little") + bytes(range(256)) * 400)
+    first = weights_fingerprint(tmp_path)
+    assert len(first) == 16 and weights_fingerprint(tmp_path) == first
+
+
+def test_a_failed_store_leaves_no_temp_file(tmp_path, monkeypatch):
+    from engine.quantization.kv_scales import KVScales
+
+    def refuse(src, dst):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr("engine.quantization.kv_scales.os.replace", refuse)
+    with pytest.raises(UserError, match="cannot be stored there .Read-only file system.*same"):
+        load_or_calibrate(tmp_path, LAYERS, HKV, D, lambda: KVScales.from_dict(_good(), LAYERS, HKV, D, "test"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".{KV_SCALES_FILE}.lock"]

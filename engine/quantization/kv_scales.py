@@ -43,6 +43,7 @@ import json
 import logging
 import os
 import tempfile
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -194,7 +195,9 @@ def weights_fingerprint(model_dir: Path) -> str:
         with open(path, "rb") as f:
             head = f.read(8)
             header_len = int.from_bytes(head, "little") if len(head) == 8 else 0
-            h.update(head + f.read(min(header_len, max(0, size - 8))))
+            if header_len > min(_MAX_HEADER, size - 8):   # not a safetensors header (safetensors caps it at 100 MB)
+                header_len = 0
+            h.update(head + f.read(header_len))
             start = f.tell()
             data = size - start
             step = max(_SAMPLE, data // _SAMPLES)
@@ -205,6 +208,7 @@ def weights_fingerprint(model_dir: Path) -> str:
 
 
 _SAMPLE, _SAMPLES = 4096, 64
+_MAX_HEADER = 100_000_000
 
 
 def load_or_calibrate(model_dir: Path, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -222,28 +226,45 @@ def load_or_calibrate(model_dir: Path, num_layers: int, num_kv_heads: int, head_
     try:
         weights = weights_fingerprint(Path(model_dir))
     except OSError as e:
-        raise UserError(f"--kv-cache-dtype fp8_e4m3: cannot read the weights in {model_dir} "
-                        f"to check their KV scales: {e.strerror or e}") from None
-    stored = _current(_read(path, num_layers, num_kv_heads, head_dim), weights, path)
+        raise UserError(f"--kv-cache-dtype fp8_e4m3: cannot read {e.filename or model_dir} to check the KV scales "
+                        f"against the weights ({e.strerror or e}): fix or remove it") from None
+    stored = _current(_read(path, num_layers, num_kv_heads, head_dim), weights, path, quiet=True)
     if stored is not None:
         return stored
+    with ExitStack() as locked:
+        try:
+            locked.enter_context(_file_lock(Path(model_dir) / f".{KV_SCALES_FILE}.lock"))
+        except OSError as e:   # PermissionError, a read-only file system (EROFS), ...
+            raise _cannot_store(model_dir, e) from None
+        # another process may have calibrated while we waited; one that recalibrates says why, once
+        stored = _current(_read(path, num_layers, num_kv_heads, head_dim), weights, path)
+        if stored is not None:
+            return stored
+        scales = replace(calibrate(), weights=weights)
+        try:
+            _write_atomically(path, scales.to_json())
+        except OSError as e:
+            raise _cannot_store(model_dir, e) from None
+        return scales
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """``path`` holds ``text`` or what it held before, never a part (a temp file, renamed; removed on failure)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with _file_lock(Path(model_dir) / f".{KV_SCALES_FILE}.lock"):
-            # another process may have calibrated while we waited
-            stored = _current(_read(path, num_layers, num_kv_heads, head_dim), weights, path, quiet=True)
-            if stored is not None:
-                return stored
-            scales = replace(calibrate(), weights=weights)
-            fd, tmp = tempfile.mkstemp(prefix=f".{KV_SCALES_FILE}.", dir=model_dir)
-            with os.fdopen(fd, "w") as f:
-                f.write(scales.to_json())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-            return scales
-    except OSError as e:   # PermissionError, a read-only file system (EROFS), ...
-        raise UserError(f"--kv-cache-dtype fp8_e4m3: no current KV scales in {model_dir} and they cannot be "
-                        f"stored there ({e.strerror or e}); run once where the model directory is writable, "
-                        f"or copy {KV_SCALES_FILE} from a machine that has it") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _cannot_store(model_dir: Path, e: OSError) -> UserError:
+    return UserError(f"--kv-cache-dtype fp8_e4m3: no current KV scales in {model_dir} (none, or calibrated on other "
+                     f"weights) and they cannot be stored there ({e.strerror or e}); run once where the model "
+                     f"directory is writable, or copy {KV_SCALES_FILE} from a machine whose weights are the same")
 
 
 def _current(stored: KVScales | None, weights: str, path: Path, quiet: bool = False) -> KVScales | None:
