@@ -172,16 +172,15 @@ def command(
     _check_sizes(context, stride, max_tokens, decode_tokens)
     text_path = text or DEFAULT_TEXT
     token_ids = _tokens(model, text_path, max_tokens)
+    meta = {"model": model, "text": str(text_path), "context": context, "stride": stride, "load": _load()}
+    _print_header(meta)
     runs = []
-    for cfg in configs:
+    for cfg in configs:   # each row as its run finishes: a run that fails later leaves the earlier ones in the log
         runs.append(run_config(model, cfg, token_ids, context, stride, decode_tokens))
         if compare:
             _add_delta(runs)
-            if sys.stderr.isatty():   # a row as each run finishes, for a person watching; in a log the table has them
-                print(_format_row(runs[-1]), file=sys.stderr, flush=True)
-    meta = {"model": model, "text": str(text_path), "context": context, "stride": stride, "load": _load()}
+        print(_format_row(runs[-1]), flush=True)
     result = {**runs[0], **meta} if not compare else {"runs": runs, **meta}
-    _print_table(runs, meta)
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(result, indent=2) + "\n")
@@ -293,11 +292,9 @@ def _format_row(run: dict) -> str:
             f"{run['num_tokens']:>8} {run['eval_s']:>8.1f}")
 
 
-def _print_table(runs: list[dict], meta: dict) -> None:
+def _print_header(meta: dict) -> None:
     print(f"perplexity of {meta['text']} (context {meta['context']}, stride {meta['stride']}; load {meta['load']})")
-    print(f"{'dtype':<9} {'quant':<6} {'kv':<9} {'perplexity':>10} {'delta':>8} {'tokens':>8} {'eval s':>8}")
-    for run in runs:
-        print(_format_row(run))
+    print(f"{'dtype':<9} {'quant':<6} {'kv':<9} {'perplexity':>10} {'delta':>8} {'tokens':>8} {'eval s':>8}", flush=True)
 
 
 def _load() -> str:

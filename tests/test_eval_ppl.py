@@ -91,9 +91,9 @@ def test_cli_writes_the_json_the_issue_names(model_path, tmp_path, monkeypatch, 
 
 
 @pytest.mark.model
-def test_compare_off_a_tty_prints_each_row_once(model_path, monkeypatch, capsys):
-    """Rows as each run finishes are for a terminal; in a log (stderr not a tty) the table alone
-    holds them, so `2>&1 | tee` shows each configuration once."""
+def test_compare_prints_each_row_once_as_its_run_finishes(model_path, monkeypatch, capsys):
+    """The table is printed a row at a time as the runs finish, each configuration once (also in a
+    log: `2>&1 | tee` had shown every row twice), so a run that fails later leaves the earlier rows."""
     from deploy import cli
 
     monkeypatch.setattr(sys, "argv", ["pdserve", "eval", "ppl", "--max-tokens", "48", "--context", "32",
@@ -103,6 +103,23 @@ def test_compare_off_a_tty_prints_each_row_once(model_path, monkeypatch, capsys)
     rows = [line for line in (captured.out + captured.err).splitlines()   # (not tqdm's "float32 w=none ..." bars)
             if re.match(r"float32 +none +(auto|fp8_e4m3) +\d", line)]
     assert len(rows) == 2 and rows[0].split()[2] == "auto" and rows[1].split()[2] == "fp8_e4m3", rows
+
+    from evals import perplexity
+
+    real = perplexity.run_config
+
+    def fail_second(model, cfg, *args):
+        if cfg.kv_cache_dtype == "fp8_e4m3":
+            raise RuntimeError("the second run fails")
+        return real(model, cfg, *args)
+
+    monkeypatch.setattr(perplexity, "run_config", fail_second)
+    with pytest.raises(RuntimeError, match="second run"):
+        perplexity.command(model="smollm2-135m-instruct", dtype="float32", quantization="none", kv_cache_dtype="auto",
+                           text=None, context=32, stride=16, max_tokens=48, decode_tokens=8, compare=True,
+                           matrix="none/auto,none/fp8_e4m3", json_out=None)
+    out = capsys.readouterr().out
+    assert re.search(r"^float32 +none +auto +\d", out, re.M), out     # the first run's row is already out
 
 
 def test_unknown_quantization_is_one_line_exit_2():
