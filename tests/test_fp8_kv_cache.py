@@ -168,9 +168,16 @@ def test_prefill_then_decode_equals_one_prefill_with_fp8_kv(model_path, tokenize
     steps += [runner.forward([SeqChunk(ids[p:p + 1], p, table, 1)]) for p in range(16, 47)]
     stepwise = torch.cat(steps)
     bytes_steps = runner.kv_cache.data[:, :, :3].view(torch.uint8)
-    # Layer 0's K/V depend on the embeddings only: the same bytes. Later layers differ where the two
-    # paths' fp32 rounding puts a value on the other side of an E4M3 rounding boundary.
-    assert torch.equal(bytes_steps[0], bytes_one[0])
+    # Layer 0's K/V depend on the embeddings and one linear only: the same bytes, but for a value the
+    # two row counts' fp32 sums put on the other side of an E4M3 rounding boundary (the kernel each
+    # row-count bucket runs is chosen by timing, and MKL's 1-row and 47-row products can differ in
+    # the last bit: 1 byte of 18,432 when it happens), and then one E4M3 step apart. Later layers
+    # differ more. A scale or offset that differed between the paths would move most bytes.
+    differ = bytes_steps[0] != bytes_one[0]
+    assert int(differ.sum()) <= differ.numel() // 1000, int(differ.sum())
+    a8 = runner.kv_cache.data[:1, :, :3].float()[differ[None]]
+    b8 = bytes_one[:1].view(torch.float8_e4m3fn).float()[differ[None]]
+    assert torch.all((a8 - b8).abs() <= 0.125 * torch.maximum(a8.abs(), b8.abs()) + 2 ** -9), (a8, b8)
     diff = (stepwise - one).abs()
     print(f"max {float(diff.max()):.3f} mean {float(diff.mean()):.4f}")
     # For scale: FP8 vs an fp32 cache on the same prefill differs by max 1.31, mean 0.19 here.
