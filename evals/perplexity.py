@@ -202,7 +202,8 @@ def run_config(model: str, cfg: EvalConfig, token_ids: Sequence[int], context: i
     load_s = time.perf_counter() - t0
     windows = plan_windows(len(token_ids), context, stride)
     t0 = time.perf_counter()
-    with tqdm(total=len(windows), desc=cfg.label, unit="win", file=sys.stderr, leave=False) as bar:
+    # (disable=None: a bar on a terminal only; in a log its carriage returns would share the rows' lines)
+    with tqdm(total=len(windows), desc=cfg.label, unit="win", file=sys.stderr, leave=False, disable=None) as bar:
         r = evaluate(runner, token_ids, context, stride, decode_tokens=decode_tokens, progress=bar.update)
     return {"perplexity": r.perplexity, "num_tokens": r.num_tokens, "config": asdict(cfg),
             "nll_sum": r.nll_sum, "num_decode_tokens": r.num_decode_tokens, "num_windows": r.num_windows,
