@@ -49,6 +49,9 @@ PPL_DTYPE_TOL = {"bfloat16": 0.02, "float16": 0.01}
 PPL_GOALS = {("fp8", "auto"): 0.02, ("none", "fp8_e4m3"): 0.01, ("fp8", "fp8_e4m3"): None}
 PPL_CONTEXT, PPL_STRIDE = 1024, 512
 PPL_DECODE_TOKENS = 64   # scored positions per window through the decode path (the Triton decode kernel)
+# The CPU fp32 reference runs torch's ops: the plainest path, and no build of the C++ CPU kernels
+# (about a minute of a lent GPU machine's time) for a reference.
+CPU_REFERENCE = {"attention_backend": "torch", "layer_ops": "torch", "decoder_loop": False}
 PROMPTS = (
     "The capital of France is",
     "Write a short poem about the sea.",
@@ -388,7 +391,7 @@ def _model_checks(model_path: Path, dtype, greedy_tokens: int, dev: str = "cuda"
     tok = load_tokenizer(model_path)
     prompts = [tok.encode(p) for p in prompts]
     blocks = -(-(max(map(len, prompts)) + greedy_tokens + 1) // 16) + 1
-    cpu = ModelRunner(model_path, dtype=torch.float32, num_blocks=blocks)
+    cpu = ModelRunner(model_path, dtype=torch.float32, num_blocks=blocks, **CPU_REFERENCE)
     refs = [_teacher_forced(cpu, p, greedy_tokens) for p in prompts]
     del cpu
     out = []
@@ -458,9 +461,9 @@ def _perplexity(model_path: Path, dtype, token_ids: list[int]) -> list[dict]:
     out = []
     for device, run_dtype, quant, kv in dict.fromkeys(configs):
         started = time.perf_counter()
-        runner = ModelRunner(model_path, dtype=getattr(torch, run_dtype), device=device,
-                             attention_backend="triton" if device == "cuda" else "torch", quantization=quant,
-                             kv_cache_dtype=kv, num_blocks=-(-PPL_CONTEXT // 16))
+        backends = {"attention_backend": "triton"} if device == "cuda" else CPU_REFERENCE
+        runner = ModelRunner(model_path, dtype=getattr(torch, run_dtype), device=device, quantization=quant,
+                             kv_cache_dtype=kv, num_blocks=-(-PPL_CONTEXT // 16), **backends)
         r = evaluate(runner, token_ids, PPL_CONTEXT, PPL_STRIDE, decode_tokens=PPL_DECODE_TOKENS)
         out.append({"device": device, "dtype": run_dtype, "quantization": quant, "kv_cache_dtype": kv,
                     "perplexity": r.perplexity, "num_tokens": r.num_tokens,

@@ -124,3 +124,19 @@ def test_ppl_tokens_bad_text_names_the_option(tmp_path):
 
     with pytest.raises(UserError, match="--text: cannot read .*--ppl-tokens 0"):
         _ppl_tokens(tmp_path, tmp_path / "missing.txt", 16)
+
+
+@pytest.mark.model
+def test_cpu_reference_builds_no_cpu_kernels(tmp_path):
+    """gpu-check's CPU fp32 reference runs torch's ops: on a lent GPU machine it must not spend a
+    minute compiling the C++ CPU kernels (a fresh process, an empty kernel cache, no compiler)."""
+    code = ("import torch, kernels.cpu_attention as ca\n"
+            "from bench.gpu_check import CPU_REFERENCE\n"
+            "from engine.model_runner import ModelRunner\n"
+            "r = ModelRunner('smollm2-135m-instruct', dtype=torch.float32, num_blocks=4, **CPU_REFERENCE)\n"
+            "print(r.attention_backend, r.layer_ops, ca._loaded is None)\n")
+    env = dict(os.environ, CXX=str(tmp_path / "no-compiler"), PDSERVE_KERNEL_CACHE=str(tmp_path / "kernels"),
+               PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["torch", "torch", "True"], proc.stdout
