@@ -431,6 +431,39 @@ def _teacher_forced(runner, prompt: list[int], steps: int, forced: list[int] | N
     return tokens, torch.stack(rows)
 
 
+# -- 3. decode speed against the HBM floor ------------------------------------------------------
+def _decode_timing(model_path: Path, dtype, context: int, steps: int, bandwidth: float):
+    """Per batch size: eager and CUDA-graph ms/step, the floors, and a graph-vs-eager logits check."""
+    import torch
+
+    from engine.batch import SeqChunk
+    from engine.cuda_graphs import CUDAGraphDecoder
+    from engine.model_runner import ModelRunner
+
+    per_seq = -(-(context + 1) // 16)
+    runner = ModelRunner(model_path, dtype=dtype, device="cuda", attention_backend="triton",
+                         num_blocks=max(BATCH_SIZES) * per_seq + 1)
+    cfg = runner.model_config
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    graphs = CUDAGraphDecoder(runner, BATCH_SIZES, max_context=context + 1)
+    rows, checks = [], []
+    for batch in BATCH_SIZES:
+        chunks = [SeqChunk([1 + b], context, list(range(b * per_seq, (b + 1) * per_seq))) for b in range(batch)]
+        eager = runner.forward(chunks)
+        replayed = graphs.decode(chunks)
+        checks.append(check(f"cuda graph decode batch {batch} vs eager (rel. to max)",
+                            _err(replayed, eager) / eager.abs().max().item(), 2 ** -6))
+        eager_s = _cuda_time(lambda: runner.forward(chunks), steps)
+        graph_s = _cuda_time(lambda: graphs.decode(chunks), steps)
+        floor = hbm_floor_ms(weight_bytes, bandwidth)
+        kv = decode_kv_bytes(batch, context, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                             runner.kv_cache.data.element_size())
+        rows.append({"batch": batch, "context": context, "eager_ms": eager_s * 1e3, "graph_ms": graph_s * 1e3,
+                     "floor_ms": floor, "floor_kv_ms": hbm_floor_ms(weight_bytes, bandwidth, kv),
+                     "graph_over_floor": graph_s * 1e3 / floor})
+    return rows, checks, weight_bytes
+
+
 # -- 4. perplexity on cuda ---------------------------------------------------------------------
 def _ppl_tokens(model_path: Path, text: Path | None, num_tokens: int) -> list[int]:
     """The first ``num_tokens`` tokens of ``text`` (UserError naming --text when it cannot be read)."""
@@ -476,39 +509,6 @@ def _perplexity(model_path: Path, dtype, token_ids: list[int]) -> list[dict]:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return out
-
-
-# -- 3. decode speed against the HBM floor ------------------------------------------------------
-def _decode_timing(model_path: Path, dtype, context: int, steps: int, bandwidth: float):
-    """Per batch size: eager and CUDA-graph ms/step, the floors, and a graph-vs-eager logits check."""
-    import torch
-
-    from engine.batch import SeqChunk
-    from engine.cuda_graphs import CUDAGraphDecoder
-    from engine.model_runner import ModelRunner
-
-    per_seq = -(-(context + 1) // 16)
-    runner = ModelRunner(model_path, dtype=dtype, device="cuda", attention_backend="triton",
-                         num_blocks=max(BATCH_SIZES) * per_seq + 1)
-    cfg = runner.model_config
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    graphs = CUDAGraphDecoder(runner, BATCH_SIZES, max_context=context + 1)
-    rows, checks = [], []
-    for batch in BATCH_SIZES:
-        chunks = [SeqChunk([1 + b], context, list(range(b * per_seq, (b + 1) * per_seq))) for b in range(batch)]
-        eager = runner.forward(chunks)
-        replayed = graphs.decode(chunks)
-        checks.append(check(f"cuda graph decode batch {batch} vs eager (rel. to max)",
-                            _err(replayed, eager) / eager.abs().max().item(), 2 ** -6))
-        eager_s = _cuda_time(lambda: runner.forward(chunks), steps)
-        graph_s = _cuda_time(lambda: graphs.decode(chunks), steps)
-        floor = hbm_floor_ms(weight_bytes, bandwidth)
-        kv = decode_kv_bytes(batch, context, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                             runner.kv_cache.data.element_size())
-        rows.append({"batch": batch, "context": context, "eager_ms": eager_s * 1e3, "graph_ms": graph_s * 1e3,
-                     "floor_ms": floor, "floor_kv_ms": hbm_floor_ms(weight_bytes, bandwidth, kv),
-                     "graph_over_floor": graph_s * 1e3 / floor})
-    return rows, checks, weight_bytes
 
 
 def main(argv: list[str] | None = None) -> None:
