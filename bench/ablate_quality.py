@@ -107,6 +107,6 @@ def perplexity(model: str, dtype: str, quantization: str, kv_cache_dtype: str, e
 
 def held_text_tokens(model: str, path, max_tokens: int) -> list[int]:
     """The first max_tokens tokens of the held text (evals/perplexity.py's reader)."""
-    from evals.perplexity import _tokens
+    from evals.perplexity import text_tokens
 
-    return _tokens(model, path, max_tokens)
+    return text_tokens(model, path, max_tokens)

@@ -466,20 +466,14 @@ def _decode_timing(model_path: Path, dtype, context: int, steps: int, bandwidth:
 
 # -- 4. perplexity on cuda ---------------------------------------------------------------------
 def _ppl_tokens(model_path: Path, text: Path | None, num_tokens: int) -> list[int]:
-    """The first ``num_tokens`` tokens of ``text`` (UserError naming --text when it cannot be read)."""
-    from evals.perplexity import DEFAULT_TEXT
-    from engine.model_loader import load_tokenizer
+    """The first ``num_tokens`` tokens of ``text`` (evals/perplexity.py's reader; its UserError
+    naming --text also says how to leave the perplexity checks out)."""
+    from evals.perplexity import DEFAULT_TEXT, text_tokens
 
-    path = text or DEFAULT_TEXT
     try:
-        body = path.read_text(encoding="utf-8")[:num_tokens * 8]   # ~4 characters a token: 8 leaves a margin
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"--text: cannot read {str(path)!r} ({e.strerror if isinstance(e, OSError) else e}); "
-                        "name a text file, or --ppl-tokens 0 to leave the perplexity checks out") from None
-    ids = load_tokenizer(model_path)(body)["input_ids"][:num_tokens]
-    if len(ids) < 2:
-        raise UserError(f"--text: {str(path)!r} has {len(ids)} tokens; at least 2 are needed")
-    return ids
+        return text_tokens(str(model_path), text or DEFAULT_TEXT, num_tokens)
+    except UserError as e:
+        raise UserError(f"{e}; or --ppl-tokens 0 to leave the perplexity checks out") from None
 
 
 def _perplexity(model_path: Path, dtype, token_ids: list[int]) -> list[dict]:

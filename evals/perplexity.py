@@ -171,7 +171,7 @@ def command(
     configs = _configs(dtype, quantization, kv_cache_dtype, compare, matrix)
     _check_sizes(context, stride, max_tokens, decode_tokens)
     text_path = text or DEFAULT_TEXT
-    token_ids = _tokens(model, text_path, max_tokens)
+    token_ids = text_tokens(model, text_path, max_tokens)
     meta = {"model": model, "text": str(text_path), "context": context, "stride": stride, "load": _load()}
     _print_header(meta)
     runs = []
@@ -264,7 +264,9 @@ def _check_sizes(context: int, stride: int, max_tokens: int, decode_tokens: int)
         raise UserError(f"--decode-tokens must be >= 0, got {decode_tokens}")
 
 
-def _tokens(model: str, path: Path, max_tokens: int) -> list[int]:
+def text_tokens(model: str, path: Path, max_tokens: int) -> list[int]:
+    """The first ``max_tokens`` tokens (0: all) of UTF-8 text file ``path`` under ``model``'s tokenizer;
+    UserError naming --text for a file that cannot be read or has fewer than 2 tokens."""
     from engine.model_loader import load_tokenizer, resolve_model
 
     try:
