@@ -46,8 +46,8 @@ INT8_ACT_GROUPS = {"self_attn.qkv_proj": 64, "self_attn.o_proj": 0, "mlp.gate_up
 kernels.linear.ACT_GROUP (32; 0 = the whole row, one scale per token); unfused q/k/v and gate/up
 take their fused linear's. Wider groups are fewer int32 -> fp32 conversions in the kernel
 (kernels/csrc/int8_gemm.cpp), a part of 16-row decode (of the whole step less than it seemed:
-see the end of this note): at 16 rows, one thread, weights out of cache, qkv 57 -> 53 us, o 52 -> 46, gate_up 128 -> 110 (per layer 321 -> 293 us, down_proj's 84
-unchanged). Chosen by pdserve eval ppl (bf16, first 16,384 WikiText-2 test tokens, context 1024,
+see the end of this note): at 16 rows, one thread, weights out of cache, qkv 57 -> 53 us, o 52 ->
+46, gate_up 128 -> 110 (per layer 321 -> 293 us, down_proj's 84 unchanged). Chosen by pdserve eval ppl (bf16, first 16,384 WikiText-2 test tokens, context 1024,
 stride 512): bf16 18.671; every linear at 32: 18.800 (+0.69%); one scale per token for qkv
 alone: 19.102 (+2.31%), for gate_up alone 18.950 (+1.50%), for o alone 18.817 (+0.78%): the
 RMSNorm outputs that qkv and gate_up read carry outlier channels too, attention outputs do not;

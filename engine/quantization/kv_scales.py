@@ -44,7 +44,7 @@ import logging
 import os
 import tempfile
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -218,8 +218,6 @@ def load_or_calibrate(model_dir: Path, num_layers: int, num_kv_heads: int, head_
     ``calibrate()`` and store them with the fingerprint (once, locked). UserError naming the file
     for one that is malformed, unreadable or cannot be written (a read-only file system, a
     directory in its place)."""
-    from dataclasses import replace
-
     from engine.model_loader import _file_lock
 
     path = Path(model_dir) / KV_SCALES_FILE
