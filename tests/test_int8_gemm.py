@@ -179,3 +179,24 @@ def test_the_amx_kernel_equals_the_vnni_kernel_bit_for_bit(available):
         for m in (1, 4, 5, 16, 17, 20, 33, 64, 100, 130):
             xm = x[:m].bfloat16()
             assert torch.equal(lin.run_kernel("w8a8_vnni", xm), lin.run_kernel("w8a8_amx", xm)), (n, k, group, m)
+
+
+def test_float32_out_is_the_sums_before_rounding(available):
+    """out_dtype=float32 (the LM head's logits): the fp32 sums unrounded (not bf16 values), so
+    rounded to bf16 they are the bf16 output bit for bit; within the reference's bound (its
+    activation quantization divides where the kernel multiplies: a level apart, rarely); another
+    out_dtype is refused naming the ones allowed."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(1000, 576, generator=gen).bfloat16()
+    q, scale = quantize_int8_per_channel(w)
+    lin = Int8Linear(w, None)
+    op = torch.ops.pdserve_int8.w8a8_gemm
+    for m in (1, 3, 16, 17):
+        x = torch.randn(m, 576, generator=gen).bfloat16()
+        got = op(x, lin.qweight, lin.weight_scale, 1000, ACT_GROUP, out_dtype=torch.float32)
+        assert got.dtype == torch.float32 and got.shape == (m, 1000)
+        assert torch.equal(got.bfloat16(), op(x, lin.qweight, lin.weight_scale, 1000, ACT_GROUP)), m
+        assert not torch.equal(got, got.bfloat16().float()), m
+        assert rel(got, reference(x, q, scale)) < 2 ** -7, m
+    with pytest.raises(RuntimeError, match="out_dtype must be bfloat16 or float32"):
+        op(x, lin.qweight, lin.weight_scale, 1000, ACT_GROUP, out_dtype=torch.float16)

@@ -159,3 +159,21 @@ def test_dense_linear_shares_one_packed_copy_between_small_gemm_and_amx(amx):
     plain = 0 if lin.weight is None else w.numel() * 2
     assert lin.resident_bytes() == plain + sum(t.numel() * t.element_size() for name, t in lin._packed.items()
                                                if name != "amx_gemm")   # the shared copy counted once
+
+
+def test_float32_out_is_the_sums_before_rounding(available):
+    """out float32 (the LM head's logits, MeasuredLinear.forward_float32): the fp32 sums as they
+    are (not bf16 values), so rounded to bf16 they are the bf16 output bit for bit, and within fp32
+    summation noise of the fp32 product; an out of another dtype is refused naming the ones allowed."""
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(1000, 576, generator=gen).bfloat16()
+    kernel = _small_gemm_kernel(w)
+    for m in (1, 5, 16, 17, 40):
+        x = torch.randn(m, 576, generator=gen).bfloat16()
+        got = kernel.float32(x)
+        assert got.dtype == torch.float32 and got.shape == (m, 1000)
+        assert torch.equal(got.bfloat16(), kernel(x)), m
+        assert not torch.equal(got, got.bfloat16().float()), m
+        assert rel(got, x.float() @ w.float().T) < 2 ** -16, m
+    with pytest.raises(RuntimeError, match="out must be bf16 or float32"):
+        torch.ops.pdserve_gemm.small_gemm_bf16(torch.empty(1, 1000, dtype=torch.float16), x[:1], kernel.packed, 1000)

@@ -118,31 +118,29 @@ const c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Te
   return h;
 }
 
-const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>&
-w8a8_gemm() {
-  static const auto h = find("pdserve_int8::w8a8_gemm")
-                            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
+// The INT8 kernels' schema: (x, packed, wscale, n, group) -> out; the AVX-512 VNNI ones also take
+// out_dtype (float32 for the LM head's logits; the decoder's linears keep bf16, the default).
+using Int8Gemm = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t);
+using Int8GemmOut = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                               std::optional<at::ScalarType>);
+
+const c10::TypedOperatorHandle<Int8GemmOut>& w8a8_gemm() {
+  static const auto h = find("pdserve_int8::w8a8_gemm").typed<Int8GemmOut>();
   return h;
 }
 
-const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>&
-w8a8_gemm_large() {   // int8_gemm_prefill.cpp: w8a8_gemm's schema, for prefill row counts
-  static const auto h = find("pdserve_int8p::w8a8_gemm_large")
-                            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
+const c10::TypedOperatorHandle<Int8GemmOut>& w8a8_gemm_large() {   // int8_gemm_prefill.cpp, for prefill row counts
+  static const auto h = find("pdserve_int8p::w8a8_gemm_large").typed<Int8GemmOut>();
   return h;
 }
 
-const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>&
-w8a8_gemm_avx2() {   // int8_gemm_avx2.cpp: w8a8_gemm's schema, for CPUs with AVX2 but no AVX512-VNNI
-  static const auto h = find("pdserve_int8_avx2::w8a8_gemm")
-                            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
+const c10::TypedOperatorHandle<Int8Gemm>& w8a8_gemm_avx2() {   // int8_gemm_avx2.cpp, for CPUs with AVX2 but no AVX512-VNNI
+  static const auto h = find("pdserve_int8_avx2::w8a8_gemm").typed<Int8Gemm>();
   return h;
 }
 
-const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>&
-w8a8_gemm_amx() {   // int8_gemm_amx.cpp: w8a8_gemm's schema, for CPUs with AMX-INT8
-  static const auto h = find("pdserve_int8_amx::w8a8_gemm")
-                            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
+const c10::TypedOperatorHandle<Int8Gemm>& w8a8_gemm_amx() {   // int8_gemm_amx.cpp, for CPUs with AMX-INT8
+  static const auto h = find("pdserve_int8_amx::w8a8_gemm").typed<Int8Gemm>();
   return h;
 }
 
@@ -169,10 +167,10 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor* t, const int64_t* d)
       break;
     }
     case kW8A8:
-      y = w8a8_gemm().call(x_in, t[0], t[1], n, group);
+      y = w8a8_gemm().call(x_in, t[0], t[1], n, group, std::nullopt);
       break;
     case kW8A8Large:
-      y = w8a8_gemm_large().call(x_in, t[0], t[1], n, group);
+      y = w8a8_gemm_large().call(x_in, t[0], t[1], n, group, std::nullopt);
       break;
     case kW8A8Amx:
       y = w8a8_gemm_amx().call(x_in, t[0], t[1], n, group);

@@ -1,7 +1,8 @@
 // INT8 linear layers (kernels/linear.py's Int8Linear, kernel "w8a8_vnni"): int8 weights with
 // per-output-channel scales, activations quantized in the call per token and per group of G input
 // channels (G = `group`, a multiple of 32 dividing K; G = K is one scale per token), bf16 in and
-// out, AVX512-VNNI and AVX512-BF16:
+// out (or, with out_dtype float32, the fp32 sums unrounded: the LM head's logits, gemm_output.h),
+// AVX512-VNNI and AVX512-BF16:
 //
 //   out[m, n] = wscale[n] * sum_g sx[m, g] * sum_{k in g} xq[m, k] q[n, k]
 //   (sx[m, g] = amax |x[m, g*G .. g*G+G-1]| / 127, xq = round(x / sx))
@@ -56,6 +57,7 @@
 #include <utility>
 #include <vector>
 
+#include "gemm_output.h"
 #include "int8_activations.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -64,6 +66,8 @@
 #endif
 
 namespace {
+
+using pdserve_gemm_out::OutRows;
 
 #if PDSERVE_INT8_GEMM
 using pdserve_int8::kChunk;
@@ -86,7 +90,7 @@ constexpr bool regs_fit() { return 2 * MR * NT + NT <= 30; }
 // in cache, or the last unit).
 template <int NT, int MR>
 void tile_kernel(const Pass p, int64_t groups, int64_t quads, const uint8_t* w, int64_t tile_stride, const float* wscale,
-                 at::BFloat16* out, int64_t ldo, int64_t n0, int64_t n, const uint8_t* next) {
+                 const OutRows& out, int64_t n0, int64_t n, const uint8_t* next) {
   constexpr bool kReg = regs_fit<NT, MR>();
   __m512 facc[kReg ? MR : 1][NT];
   alignas(64) float fmem[kReg ? 1 : MR][NT][16];
@@ -143,12 +147,12 @@ void tile_kernel(const Pass p, int64_t groups, int64_t quads, const uint8_t* w, 
     for (int m = 0; m < MR; ++m) {
       __m512 a;
       if constexpr (kReg) a = facc[m][t]; else a = _mm512_load_ps(fmem[m][t]);
-      _mm256_mask_storeu_epi16(out + m * ldo + col, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(a, s)));
+      out.store(m, col, mask, _mm512_mul_ps(a, s));
     }
   }
 }
 
-using Kernel = void (*)(const Pass, int64_t, int64_t, const uint8_t*, int64_t, const float*, at::BFloat16*, int64_t, int64_t,
+using Kernel = void (*)(const Pass, int64_t, int64_t, const uint8_t*, int64_t, const float*, const OutRows&, int64_t,
                         int64_t, const uint8_t*);
 
 // Tiles at once for MR rows (regs_fit decides where the fp32 sums live: registers for 1-3, 5-7
@@ -174,14 +178,15 @@ constexpr std::array<Kernel, kMaxRows + 1> kKernels[4] = {rows_of<1>(Rows{}), ro
 constexpr int nt_index(int nt) { return nt == 1 ? 0 : nt == 2 ? 1 : nt == 4 ? 2 : 3; }
 #endif
 
-// out [M, N] bf16 = the product of x [M, K] bf16 (rows contiguous, or copied so) with the packed
-// weight; the output is allocated here (one Python-level call per linear fewer: decode calls 121
-// linears a step, each a few us of overhead at batch 1).
+// out [M, N] = the product of x [M, K] bf16 (rows contiguous, or copied so) with the packed
+// weight, in out_dtype (bf16 when None; float32: the fp32 sums unrounded, for logits); the output
+// is allocated here (one Python-level call per linear fewer: decode calls 121 linears a step, each
+// a few us of overhead at batch 1).
 at::Tensor w8a8_gemm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& wscale, int64_t n,
-                     int64_t group) {
+                     int64_t group, std::optional<at::ScalarType> out_dtype) {
   const at::Tensor x = pdserve_int8::checked_input(x_in, packed, wscale, n, group);
   const int64_t m = x.size(0), k = x.size(1), tiles = packed.size(0);
-  at::Tensor out = at::empty({m, n}, x.options());
+  at::Tensor out = at::empty({m, n}, x.options().dtype(pdserve_gemm_out::out_dtype(out_dtype)));
 #if PDSERVE_INT8_GEMM
   if (m == 0) return out;
   const int64_t groups = k / group, quads = group / 4, k4 = k / 4;
@@ -206,8 +211,8 @@ at::Tensor w8a8_gemm(const at::Tensor& x_in, const at::Tensor& packed, const at:
   const int64_t units = (tiles + nt - 1) / nt;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = wscale.data_ptr<float>();
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const int64_t ldo = out.stride(0), tile_stride = k * 16;
+  const OutRows rows_out = pdserve_gemm_out::out_rows(out);
+  const int64_t tile_stride = k * 16;
   // Threads only with 128 KB of weight or more for each (a hand-off costs more than that much work).
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (tile_stride * nt));
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
@@ -217,13 +222,13 @@ at::Tensor w8a8_gemm(const at::Tensor& x_in, const at::Tensor& packed, const at:
       const uint8_t* next = u + 1 < u1 ? wp + (t0 + nt) * tile_stride : nullptr;
       for (int64_t r0 = 0, p = 0; r0 < m; r0 += per_pass, ++p) {
         const int rows = static_cast<int>(std::min<int64_t>(per_pass, m - r0));
-        at::BFloat16* orow = op + r0 * ldo;
+        const OutRows orow = rows_out.from_row(r0);
         const uint8_t* pf = r0 == 0 ? next : nullptr;   // later passes read the unit from cache
         if (count == nt) {
-          kKernels[nt_index(nt)][rows](pass[p], groups, quads, wp + t0 * tile_stride, tile_stride, sp, orow, ldo, 16 * t0, n, pf);
+          kKernels[nt_index(nt)][rows](pass[p], groups, quads, wp + t0 * tile_stride, tile_stride, sp, orow, 16 * t0, n, pf);
         } else {   // the last, partial unit: one tile at a time
           for (int64_t t = t0; t < t0 + count; ++t)
-            kKernels[0][rows](pass[p], groups, quads, wp + t * tile_stride, tile_stride, sp, orow, ldo, 16 * t, n, nullptr);
+            kKernels[0][rows](pass[p], groups, quads, wp + t * tile_stride, tile_stride, sp, orow, 16 * t, n, nullptr);
         }
       }
     }
@@ -245,7 +250,7 @@ bool available() {
 }  // namespace
 
 TORCH_LIBRARY(pdserve_int8, m) {
-  m.def("w8a8_gemm(Tensor x, Tensor packed, Tensor wscale, int n, int group=32) -> Tensor");
+  m.def("w8a8_gemm(Tensor x, Tensor packed, Tensor wscale, int n, int group=32, ScalarType? out_dtype=None) -> Tensor");
   m.def("available() -> bool", &available);
 }
 

@@ -91,6 +91,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "gemm_output.h"
 #include "int8_activations.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -99,6 +100,8 @@
 #endif
 
 namespace {
+
+using pdserve_gemm_out::OutRows;
 
 #if PDSERVE_INT8P_GEMM
 constexpr int kRows = 4;         // rows per micro-kernel call
@@ -118,7 +121,7 @@ struct Blocks {
 // into L2 line by line as this one is read, or nullptr.
 template <int NT, int R>
 void micro_kernel(const Blocks& q, int64_t b, int64_t quads, const uint8_t* w, int64_t tile_stride, const float* wscale,
-                  at::BFloat16* out, int64_t ldo, int64_t n0, int64_t n, const uint8_t* next) {
+                  const OutRows& out, int64_t n0, int64_t n, const uint8_t* next) {
   __m512 facc[R][NT];
   for (int m = 0; m < R; ++m)
     for (int t = 0; t < NT; ++t) facc[m][t] = _mm512_setzero_ps();
@@ -155,12 +158,11 @@ void micro_kernel(const Blocks& q, int64_t b, int64_t quads, const uint8_t* w, i
     if (col >= n) break;
     const __m512 s = _mm512_loadu_ps(wscale + col);
     const __mmask16 mask = n - col >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - col)) - 1);
-    for (int m = 0; m < R; ++m)
-      _mm256_mask_storeu_epi16(out + (b * kRows + m) * ldo + col, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(facc[m][t], s)));
+    for (int m = 0; m < R; ++m) out.store(b * kRows + m, col, mask, _mm512_mul_ps(facc[m][t], s));
   }
 }
 
-using MicroKernel = void (*)(const Blocks&, int64_t, int64_t, const uint8_t*, int64_t, const float*, at::BFloat16*, int64_t,
+using MicroKernel = void (*)(const Blocks&, int64_t, int64_t, const uint8_t*, int64_t, const float*, const OutRows&,
                              int64_t, int64_t, const uint8_t*);
 
 // micro_kernel<NT, R> for a panel of nt tiles (1-3) and a block of rows rows (1-4): a last block
@@ -172,13 +174,13 @@ constexpr MicroKernel for_rows(int rows) {
 MicroKernel pick(int nt, int rows) { return nt == 3 ? for_rows<3>(rows) : nt == 2 ? for_rows<2>(rows) : for_rows<1>(rows); }
 #endif
 
-// out [M, N] bf16 = x [M, K] bf16 (rows contiguous, or copied so) times the packed weight, as
-// pdserve_int8::w8a8_gemm (same arguments, same checks, same result).
+// out [M, N] (out_dtype: bf16 when None, or float32) = x [M, K] bf16 (rows contiguous, or copied
+// so) times the packed weight, as pdserve_int8::w8a8_gemm (same arguments, same checks, same result).
 at::Tensor w8a8_gemm_large(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& wscale, int64_t n,
-                           int64_t group) {
+                           int64_t group, std::optional<at::ScalarType> out_dtype) {
   const at::Tensor x = pdserve_int8::checked_input(x_in, packed, wscale, n, group);
   const int64_t m = x.size(0), k = x.size(1), tiles = packed.size(0);
-  at::Tensor out = at::empty({m, n}, x.options());
+  at::Tensor out = at::empty({m, n}, x.options().dtype(pdserve_gemm_out::out_dtype(out_dtype)));
 #if PDSERVE_INT8P_GEMM
   if (m == 0) return out;
   const int64_t groups = k / group, quads = group / 4, k4 = k / 4;
@@ -198,8 +200,8 @@ at::Tensor w8a8_gemm_large(const at::Tensor& x_in, const at::Tensor& packed, con
   });
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = wscale.data_ptr<float>();
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const int64_t ldo = out.stride(0), tile_stride = k * 16;
+  const OutRows rows_out = pdserve_gemm_out::out_rows(out);
+  const int64_t tile_stride = k * 16;
   const int64_t panels = (tiles + kTiles - 1) / kTiles;
   // Threads only with 128 KB of weight or more for each (as w8a8_gemm: a hand-off costs more than that much work).
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (tile_stride * kTiles));
@@ -212,7 +214,7 @@ at::Tensor w8a8_gemm_large(const at::Tensor& x_in, const at::Tensor& packed, con
       const uint8_t* next = p + 1 < p1 && tiles - t0 >= 2 * kTiles ? w + kTiles * tile_stride : nullptr;
       for (int64_t b = 0; b < blocks; ++b) {
         const int rows = static_cast<int>(std::min<int64_t>(kRows, m - b * kRows));
-        pick(count, rows)(q, b, quads, w, tile_stride, sp, op, ldo, 16 * t0, n, b < kPrefetchBlocks ? next : nullptr);
+        pick(count, rows)(q, b, quads, w, tile_stride, sp, rows_out, 16 * t0, n, b < kPrefetchBlocks ? next : nullptr);
       }
     }
   });
@@ -233,7 +235,7 @@ bool available() {
 }  // namespace
 
 TORCH_LIBRARY(pdserve_int8p, m) {
-  m.def("w8a8_gemm_large(Tensor x, Tensor packed, Tensor wscale, int n, int group=32) -> Tensor");
+  m.def("w8a8_gemm_large(Tensor x, Tensor packed, Tensor wscale, int n, int group=32, ScalarType? out_dtype=None) -> Tensor");
   m.def("available() -> bool", &available);
 }
 

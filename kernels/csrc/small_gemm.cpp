@@ -1,4 +1,5 @@
-// bf16 linear layers for decode-sized batches (1-64 rows), y = x W^T, AVX512-BF16.
+// bf16 linear layers for decode-sized batches (1-64 rows), y = x W^T, AVX512-BF16; y bf16, or
+// fp32 for the LM head's logits (gemm_output.h).
 //
 // Why: at 1-64 rows a decode step streams every weight from DRAM once. oneDNN's bf16 kernel
 // computes at 300-480 GFLOP/s per core on weights in cache but hardly overlaps that with the
@@ -32,11 +33,15 @@
 #include <utility>
 #include <vector>
 
+#include "gemm_output.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
 namespace {
+
+using pdserve_gemm_out::OutRows;
 
 #if defined(__AVX512BF16__)
 constexpr int kMaxRows = 16;   // rows per pass (more rows: passes of equal size)
@@ -56,7 +61,7 @@ constexpr int kL2PrefetchRows = PDSERVE_GEMM_L2_ROWS;   // from these rows on, t
 // into L2 at the pace this one is read), or nullptr (a later pass over a unit already in cache).
 template <int NT, int MR>
 void tile_kernel(const int32_t* xq, int64_t ldq, const at::BFloat16* w, int64_t tile_stride, int64_t k2,
-                 at::BFloat16* out, int64_t ldo, int64_t n0, int64_t n, const at::BFloat16* next) {
+                 const OutRows& out, int64_t n0, int64_t n, const at::BFloat16* next) {
   __m512 acc[MR][NT];
   for (int m = 0; m < MR; ++m)
     for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
@@ -83,13 +88,12 @@ void tile_kernel(const int32_t* xq, int64_t ldq, const at::BFloat16* w, int64_t 
     const int64_t col = n0 + 16 * t;
     if (col >= n) break;
     const __mmask16 mask = n - col >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - col)) - 1);
-    for (int m = 0; m < MR; ++m)
-      _mm256_mask_storeu_epi16(out + m * ldo + col, mask, (__m256i)_mm512_cvtneps_pbh(acc[m][t]));
+    for (int m = 0; m < MR; ++m) out.store(m, col, mask, acc[m][t]);
   }
 }
 
-using Kernel = void (*)(const int32_t*, int64_t, const at::BFloat16*, int64_t, int64_t, at::BFloat16*, int64_t,
-                        int64_t, int64_t, const at::BFloat16*);
+using Kernel = void (*)(const int32_t*, int64_t, const at::BFloat16*, int64_t, int64_t, const OutRows&, int64_t,
+                        int64_t, const at::BFloat16*);
 
 // Tiles taken at once for MR rows: MR x NT accumulators (<= 24) plus NT weight registers (of 32).
 constexpr int tiles_for(int mr) { return mr <= 2 ? 8 : mr <= 4 ? 4 : mr <= 6 ? 4 : mr <= 12 ? 2 : 1; }
@@ -111,7 +115,8 @@ constexpr std::array<Kernel, kMaxRows + 1> kKernels[4] = {rows_of<1>(Rows{}), ro
 constexpr int nt_index(int nt) { return nt == 1 ? 0 : nt == 2 ? 1 : nt == 4 ? 2 : 3; }
 #endif
 
-// out [M, N] bf16 <- x [M, K] bf16 (rows contiguous) times the packed weight [ceil(N/16), K/2, 16, 2].
+// out [M, N] bf16 or fp32 (pdserve_gemm_out: the LM head's logits) <- x [M, K] bf16 (rows contiguous)
+// times the packed weight [ceil(N/16), K/2, 16, 2].
 void small_gemm_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16, "x must be bf16 [M, K], rows contiguous");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 && packed.is_contiguous() &&
@@ -119,8 +124,8 @@ void small_gemm_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
   const int64_t m = x.size(0), k = x.size(1), tiles = packed.size(0), k2 = packed.size(1);
   TORCH_CHECK(k == 2 * k2, "x has ", k, " columns, the packed weight ", 2 * k2);
   TORCH_CHECK(n > 16 * (tiles - 1) && n <= 16 * tiles, "n does not match the packed weight's tiles");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n && out.stride(1) == 1 &&
-                  out.scalar_type() == at::kBFloat16, "out must be bf16 [M, N], rows contiguous");
+  const OutRows rows_out = pdserve_gemm_out::out_rows(out);
+  TORCH_CHECK(out.size(0) == m && out.size(1) == n, "out must be [M, N] = [", m, ", ", n, "], got ", out.sizes());
 #if defined(__AVX512BF16__)
   if (m == 0) return;
   const int64_t passes = (m + kMaxRows - 1) / kMaxRows;
@@ -132,8 +137,7 @@ void small_gemm_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
   while (nt > 1 && threads > 1 && (tiles + nt - 1) / nt < 4 * threads) nt /= 2;
   const int64_t units = (tiles + nt - 1) / nt;
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const int64_t ldo = out.stride(0), tile_stride = k2 * 32;
+  const int64_t tile_stride = k2 * 32;
   // x as k pairs per pass, [passes][k2][per_pass] (a copy of M x K bf16: a few KB).
   std::vector<int32_t> xq_buf(passes * k2 * per_pass);
   for (int64_t r = 0; r < m; ++r) {
@@ -152,13 +156,13 @@ void small_gemm_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
       for (int64_t r0 = 0, p = 0; r0 < m; r0 += per_pass, ++p) {
         const int rows = static_cast<int>(std::min<int64_t>(per_pass, m - r0));
         const int32_t* xr = xq + p * k2 * per_pass;
-        at::BFloat16* orow = op + r0 * ldo;
+        const OutRows orow = rows_out.from_row(r0);
         const at::BFloat16* pf = r0 == 0 ? next : nullptr;   // later passes read the unit from cache
         if (count == nt) {
-          kKernels[nt_index(nt)][rows](xr, per_pass, wp + t0 * tile_stride, tile_stride, k2, orow, ldo, 16 * t0, n, pf);
+          kKernels[nt_index(nt)][rows](xr, per_pass, wp + t0 * tile_stride, tile_stride, k2, orow, 16 * t0, n, pf);
         } else {   // the last, partial unit: one tile at a time
           for (int64_t t = t0; t < t0 + count; ++t)
-            kKernels[0][rows](xr, per_pass, wp + t * tile_stride, tile_stride, k2, orow, ldo, 16 * t, n, nullptr);
+            kKernels[0][rows](xr, per_pass, wp + t * tile_stride, tile_stride, k2, orow, 16 * t, n, nullptr);
         }
       }
     }
