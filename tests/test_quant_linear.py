@@ -93,6 +93,24 @@ def test_every_kernel_matches_the_fp32_reference(method, dtype, rows):
     assert y.shape == (rows, 1, N) and dot_err(y.view(rows, N), x, w, b) < BOUNDS[(method, dtype)]
 
 
+@pytest.mark.parametrize("method,dtype", list(BOUNDS))
+@pytest.mark.parametrize("rows", [1, 16])
+def test_forward_float32_is_forward_before_its_rounding(method, dtype, rows):
+    """The LM head's logits (MeasuredLinear.forward_float32): float32 [rows, N], forward's values
+    before their rounding to the model dtype (from a chosen kernel that writes fp32 itself, or
+    forward's output widened), plus the bias, within the method's bound."""
+    w, x = weight(), torch.randn(rows, K)
+    lin = make(method, w, torch.zeros(N), dtype)          # (a zero bias: forward's sum stays as rounded)
+    y, y32 = lin(x.to(dtype)), lin.forward_float32(x.to(dtype))
+    assert y32.dtype == torch.float32 and y32.shape == (rows, N)
+    if hasattr(lin._chosen[bucket_index(rows)], "float32"):
+        assert torch.equal(y32.to(dtype), y)
+    else:
+        assert torch.equal(y32, y.float())
+    b = torch.randn(N) * 0.1
+    assert dot_err(make(method, w, b, dtype).forward_float32(x.to(dtype)), x, w, b) < BOUNDS[(method, dtype)]
+
+
 def test_fp8_kernels_compute_the_same_products():
     """_scaled_mm and the bf16 emulation multiply and sum the same E4M3 values."""
     lin = Fp8Linear(weight().bfloat16(), None, torch.bfloat16)

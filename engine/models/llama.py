@@ -180,7 +180,8 @@ class LlamaForCausalLM(nn.Module):
         self.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)  # plain attribute: not a weight
         # The per-layer small ops (kernels/layer_ops.py), chosen at load by the runner.
         self.layer_ops: TorchLayerOps = TorchLayerOps()
-        # The LM head's linear method, set at load by engine.quantization (None: F.linear on the weight).
+        # The LM head's linear method (a kernels.linear MeasuredLinear: forward_float32 gives the
+        # logits), set at load by engine.quantization (None: F.linear on the weight).
         self.head_method: nn.Module | None = None
         # The fused C++ layer loop (kernels/decoder_loop.py), set at load by the runner (None: the
         # Python loop below always); decoder_path names the loop the last forward ran.
@@ -216,8 +217,8 @@ class LlamaForCausalLM(nn.Module):
             x = lops.add_rms_norm(x, residual, norm.weight, norm.eps)
         else:
             x = norm(residual.index_select(0, logits_indices) + x.index_select(0, logits_indices), lops)
-        if self.head_method is not None:
-            return self.head_method(x).float()
+        if self.head_method is not None:   # (fp32 logits straight from its kernel where it can)
+            return self.head_method.forward_float32(x)
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head).float()
 
