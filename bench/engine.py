@@ -45,6 +45,7 @@ from typing import Callable, Optional
 
 import typer
 
+from bench.floors import best_time, decode_flops, prefill_flops, probe_floors
 from bench.options import int_list, name_list
 from engine.errors import UserError
 
@@ -106,7 +107,7 @@ def command(
     }
     for t in counts:
         torch.set_num_threads(t)
-        floors = _floors(dtype_names, gemm_size, memcpy_mib,
+        floors = probe_floors(dtype_names, gemm_size, memcpy_mib,
                          int8=any(getattr(r, "quantization", "none") == "int8" for r in runners.values()))
         run = {"threads": t, "floors": floors,
                "prefill": _prefill(runners, tokens[:prompt_tokens], floors, max(2, repeats // 2), hf),
@@ -205,40 +206,6 @@ def _machine() -> dict:
             "cores": platform.available_cores()}
 
 
-def _floors(dtypes: list[str], n: int, memcpy_mib: int, int8: bool = False) -> dict:
-    """GEMM peak FLOP/s per dtype (and, with ``int8``, ``torch._int_mm``'s int8 peak under "int8"
-    where oneDNN runs it: bench/floors.py) and copy bandwidth (bytes read + written per s) at the
-    current threads."""
-    import torch
-
-    from bench.floors import measure_int8_gemm_peak
-
-    gemm = {}
-    for name in dtypes:
-        dt = getattr(torch, name)
-        a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
-        best = _best(lambda: torch.mm(a, b), 4)
-        gemm[name] = 2 * n**3 / best
-    int8_peak = measure_int8_gemm_peak(n) if int8 else None
-    if int8_peak is not None:
-        gemm["int8"] = int8_peak
-    src = torch.ones(memcpy_mib * 2**20 // 4)
-    dst = torch.empty_like(src)
-    best = _best(lambda: dst.copy_(src), 5)
-    return {"gemm_flops": gemm, "gemm_size": n, "memcpy_bytes_per_s": 2 * src.numel() * 4 / best,
-            "memcpy_mib": memcpy_mib}
-
-
-def _best(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 # ---- the runtime -----------------------------------------------------------------------------
 
 def _load_runners(model: str, configs: dict[str, tuple[str, str, str]], prompt_tokens: int, context: int,
@@ -288,24 +255,6 @@ def _weight_bytes(runner) -> int:
     return sum(seen.values()) + sum(lin.weight_bytes() for lin in linears)
 
 
-def _linear_params(cfg) -> int:
-    """Parameters of every matmul a token goes through: the decoder's projections + the LM head."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
-    return cfg.num_layers * per_layer, cfg.vocab_size * cfg.hidden_size
-
-
-def _prefill_flops(cfg, n: int) -> float:
-    layers, head = _linear_params(cfg)
-    attention = cfg.num_layers * 2 * n * n * cfg.num_heads * cfg.head_dim  # QK^T and PV, causal half
-    return 2 * layers * n + 2 * head + attention
-
-
-def _decode_flops(cfg, batch: int, context: int) -> float:
-    layers, head = _linear_params(cfg)
-    return 2 * (layers + head) * batch + cfg.num_layers * 4 * batch * context * cfg.num_heads * cfg.head_dim
-
-
 def _kv_bytes_read(runner, batch: int, context: int) -> int:
     """K and V bytes of ``context`` tokens per sequence over every layer: what a decode step at
     that context reads of the cache (the timed steps read up to _decode_steps(--repeats) tokens
@@ -332,7 +281,7 @@ def _prefill(runners: dict, prompt: list[int], floors: dict, repeats: int, hf) -
         fns["transformers_fp32"] = hf_prefill
     best, _ = _alternating(fns, repeats)
     cfg = next(iter(runners.values())).model_config
-    flops = _prefill_flops(cfg, len(prompt))
+    flops = prefill_flops(cfg, len(prompt))
     out = {"prompt_tokens": len(prompt), "flops": flops}
     for name, t in best.items():
         peak = _gemm_peak(floors, runners.get(name))
@@ -349,7 +298,7 @@ def _decode(runners: dict, tokens: list[int], context: int, batch: int, steps: i
     best, median = _alternating(fns, steps, warmup=DECODE_WARMUP, run=DECODE_RUN)
     first = next(iter(runners.values()))
     cfg = first.model_config
-    flops = _decode_flops(cfg, batch, context)
+    flops = decode_flops(cfg, batch, context)
     out = {"batch": batch, "context": context, "flops": flops}
     for name, t in best.items():
         runner = runners.get(name, runners.get("float32", first))

@@ -3,9 +3,10 @@
 floor seconds = prefill FLOPs / GEMM peak + decode steps x weight bytes / memory bandwidth
 
 - GEMM peak: best-of square ``torch.mm`` FLOP/s in the serving dtype, at the cores available
-  (bench/engine.py's probe); memory bandwidth: its memcpy probe (bytes read + written per s).
+  (probe_floors, also bench engine's probe); memory bandwidth: its memcpy probe (bytes read +
+  written per s).
 - prefill FLOPs: every measured prompt once through the model (linear layers, the LM head for the
-  last token, causal attention), bench/engine.py's count.
+  last token, causal attention), prefill_flops.
 - decode steps: ceil(requests / concurrency) waves of (max_tokens - 1) steps (the first token
   comes from the prefill), each reading every weight once (decoder linears + LM head).
 
@@ -18,8 +19,9 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 GEMM_SIZE = 1536   # M = N = K of the GEMM probe (bench engine's default)
 MEMCPY_MIB = 512   # size of the bandwidth probe's tensor
@@ -57,7 +59,6 @@ def measure_machine(dtype: str = "auto", threads: int | None = None) -> MachineF
     dtype "auto" resolves as the servers do (bf16 with native bf16, else fp32)."""
     import torch
 
-    from bench.engine import _floors
     from engine import platform
 
     name = platform.resolve_dtype_name(dtype, "cpu")
@@ -65,7 +66,7 @@ def measure_machine(dtype: str = "auto", threads: int | None = None) -> MachineF
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        f = _floors([name], GEMM_SIZE, MEMCPY_MIB)
+        f = probe_floors([name], GEMM_SIZE, MEMCPY_MIB)
     finally:
         torch.set_num_threads(before)
     return MachineFloors(name, threads, f["gemm_flops"][name], f["memcpy_bytes_per_s"])
@@ -74,12 +75,10 @@ def measure_machine(dtype: str = "auto", threads: int | None = None) -> MachineF
 def workload_floor(model_cfg, prompt_lens: Sequence[int], output_tokens: int, concurrency: int,
                    machine: MachineFloors) -> WorkloadFloor:
     """The floor of serving ``prompt_lens`` (tokens each) with ``output_tokens`` each at ``concurrency``."""
-    from bench.engine import _linear_params, _prefill_flops
-
-    layers, head = _linear_params(model_cfg)
+    layers, head = linear_params(model_cfg)
     elt = 2 if machine.dtype in ("bfloat16", "float16") else 4
     weight_bytes = (layers + head) * elt
-    flops = sum(_prefill_flops(model_cfg, n) for n in prompt_lens)
+    flops = sum(prefill_flops(model_cfg, n) for n in prompt_lens)
     steps = math.ceil(len(prompt_lens) / concurrency) * max(0, output_tokens - 1)
     prefill_s = flops / machine.gemm_flops
     decode_s = steps * weight_bytes / machine.memcpy_bytes_per_s
@@ -98,10 +97,8 @@ def measure_read_bandwidth(mib: int = READ_MIB, repeats: int = 10) -> float:
     at 1 row: 106% of it in one run)."""
     import torch
 
-    from bench.engine import _best
-
     src = torch.ones(mib * 2**20 // 4)
-    return src.numel() * 4 / _best(src.sum, repeats)
+    return src.numel() * 4 / best_time(src.sum, repeats)
 
 
 def measure_int8_gemm_peak(n: int = GEMM_SIZE, repeats: int = 4) -> float | None:
@@ -112,11 +109,63 @@ def measure_int8_gemm_peak(n: int = GEMM_SIZE, repeats: int = 4) -> float | None
     AVX512-VNNI): its fallback there is a scalar loop ~100x slower, the peak of nothing."""
     import torch
 
-    from bench.engine import _best
     from engine.platform import cpu_flags
 
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled and "avx512_vnni" in cpu_flags()):
         return None
     a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
     b = torch.randint(-127, 128, (n, n), dtype=torch.int8)
-    return 2 * n**3 / _best(lambda: torch._int_mm(a, b), repeats)
+    return 2 * n**3 / best_time(lambda: torch._int_mm(a, b), repeats)
+
+
+# ---- the probes and the model's operation counts (bench engine, quant and peers use them) ----
+
+def probe_floors(dtypes: list[str], n: int, memcpy_mib: int, int8: bool = False) -> dict:
+    """GEMM peak FLOP/s per dtype (and, with ``int8``, ``torch._int_mm``'s int8 peak under "int8"
+    where oneDNN runs it: measure_int8_gemm_peak) and copy bandwidth (bytes read + written per s) at the
+    current threads."""
+    import torch
+
+    gemm = {}
+    for name in dtypes:
+        dt = getattr(torch, name)
+        a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
+        best = best_time(lambda: torch.mm(a, b), 4)
+        gemm[name] = 2 * n**3 / best
+    int8_peak = measure_int8_gemm_peak(n) if int8 else None
+    if int8_peak is not None:
+        gemm["int8"] = int8_peak
+    src = torch.ones(memcpy_mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    best = best_time(lambda: dst.copy_(src), 5)
+    return {"gemm_flops": gemm, "gemm_size": n, "memcpy_bytes_per_s": 2 * src.numel() * 4 / best,
+            "memcpy_mib": memcpy_mib}
+
+
+def best_time(fn: Callable[[], object], repeats: int) -> float:
+    """Seconds of the fastest of ``repeats`` calls of fn, after one untimed call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def linear_params(cfg) -> tuple[int, int]:
+    """Parameters of every matmul a token goes through: the decoder's projections + the LM head."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+    return cfg.num_layers * per_layer, cfg.vocab_size * cfg.hidden_size
+
+
+def prefill_flops(cfg, n: int) -> float:
+    layers, head = linear_params(cfg)
+    attention = cfg.num_layers * 2 * n * n * cfg.num_heads * cfg.head_dim  # QK^T and PV, causal half
+    return 2 * layers * n + 2 * head + attention
+
+
+def decode_flops(cfg, batch: int, context: int) -> float:
+    layers, head = linear_params(cfg)
+    return 2 * (layers + head) * batch + cfg.num_layers * 4 * batch * context * cfg.num_heads * cfg.head_dim

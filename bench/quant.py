@@ -198,10 +198,9 @@ def gemm_peaks(dtype: str, methods: list[str]) -> dict[str, float]:
     for int8 (bench engine's probes; int8 only where oneDNN's VNNI kernel runs it). None for fp8:
     CPUs run FP8 weights from a bf16 copy that ``weight_bytes`` does not count, so no floor here
     would be one."""
-    from bench.engine import _floors
-    from bench.floors import GEMM_SIZE
+    from bench.floors import GEMM_SIZE, probe_floors
 
-    peaks = _floors([dtype], GEMM_SIZE, 1, int8="int8" in methods)["gemm_flops"]
+    peaks = probe_floors([dtype], GEMM_SIZE, 1, int8="int8" in methods)["gemm_flops"]
     return {name: round(peaks[key] / 1e9) for name, key in (("none", dtype), ("int8", "int8")) if key in peaks}
 
 
