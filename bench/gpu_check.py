@@ -151,18 +151,22 @@ def command(
     ppl_tokens: int = typer.Option(8192, "--ppl-tokens", help="Tokens of --text in the perplexity checks (0: none)."),
 ) -> None:
     """Check every CUDA/Triton path against the torch reference; decode ms/step vs the HBM floor."""
+    # the options first: a wrong one is named on any machine, before the device is looked for
+    if dtype not in NEAR_TIE:
+        raise UserError(f"--dtype must be one of {', '.join(NEAR_TIE)}, got {dtype!r}")
+    if ppl_tokens < 0 or ppl_tokens == 1:
+        raise UserError(f"--ppl-tokens must be 0 (no perplexity checks) or >= 2, got {ppl_tokens}")
+    if skip_model and text is not None:
+        raise UserError("--text is the perplexity text of the model's checks, which --skip-model leaves out: "
+                        "drop one of the two")
     import torch
 
     if not torch.cuda.is_available():
         raise UserError("gpu-check needs a CUDA device (torch.cuda.is_available() is False): run it on a GPU machine")
-    if dtype not in NEAR_TIE:
-        raise UserError(f"--dtype must be one of {', '.join(NEAR_TIE)}, got {dtype!r}")
     try:
         import triton
     except ImportError as e:
         raise UserError(f"gpu-check needs triton (pip install triton): {e}") from e
-    if ppl_tokens < 0 or ppl_tokens == 1:
-        raise UserError(f"--ppl-tokens must be 0 (no perplexity checks) or >= 2, got {ppl_tokens}")
     model_path = None if skip_model else _resolve(model)
     token_ids = _ppl_tokens(model_path, text, ppl_tokens) if model_path is not None and ppl_tokens else None
     started = time.perf_counter()

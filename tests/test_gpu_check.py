@@ -35,6 +35,18 @@ def test_without_cuda_one_line_and_status_2(argv, prefix):
     assert "Traceback" not in proc.stderr + proc.stdout
 
 
+@pytest.mark.parametrize("args,message", [
+    (("--skip-model", "--text", "some.txt"), "--text is the perplexity text of the model's checks, which --skip-model"),
+    (("--ppl-tokens", "1"), "--ppl-tokens must be 0 (no perplexity checks) or >= 2, got 1"),
+    (("--dtype", "int8"), "--dtype must be one of"),
+])
+def test_a_wrong_option_is_named_before_the_device_is_looked_for(args, message):
+    proc = _run("bench.gpu_check", *args)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "CUDA" not in lines[0], proc.stderr
+
+
 def test_hbm_floor():
     # 270 MB of bf16 weights at 4.0 TB/s: 0.0675 ms; K/V bytes add to what must be read.
     assert hbm_floor_ms(270_000_000, 4.0e12) == pytest.approx(0.0675)
