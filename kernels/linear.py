@@ -142,14 +142,17 @@ class MeasuredLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, in_features] -> [M, out_features] float32 (the LM head's logits): the chosen
+        """x [..., in_features] -> [..., out_features] float32 (the LM head's logits): the chosen
         kernel's fp32 sums written as they are where it can (its ``float32`` variant: no rounding
         to the model dtype and no second pass widening [M, vocab]; 0.2 ms of a 16-row decode step),
         else its output widened. Equals ``forward(x).float()`` up to that rounding."""
-        kernel = self._chosen[bucket_index(x.shape[0])]
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        kernel = self._chosen[bucket_index(x2.shape[0])]
         wide = getattr(kernel, "float32", None)
-        y = wide(x) if wide is not None else kernel(x).float()
-        return y if self.bias is None else y + self.bias
+        y = wide(x2) if wide is not None else kernel(x2).float()
+        if self.bias is not None:
+            y = y + self.bias
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def run_kernel(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """One named kernel of ``kernel_choices`` on x [M, K] (tests compare every kernel, not only

@@ -108,7 +108,10 @@ def test_forward_float32_is_forward_before_its_rounding(method, dtype, rows):
     else:
         assert torch.equal(y32, y.float())
     b = torch.randn(N) * 0.1
-    assert dot_err(make(method, w, b, dtype).forward_float32(x.to(dtype)), x, w, b) < BOUNDS[(method, dtype)]
+    biased = make(method, w, b, dtype)
+    assert dot_err(biased.forward_float32(x.to(dtype)), x, w, b) < BOUNDS[(method, dtype)]
+    y3 = biased.forward_float32(x.to(dtype).view(rows, 1, K))   # any leading shape, as forward
+    assert y3.shape == (rows, 1, N) and torch.equal(y3.view(rows, N), biased.forward_float32(x.to(dtype)))
 
 
 def test_fp8_kernels_compute_the_same_products():
