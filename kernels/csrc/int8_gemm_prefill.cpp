@@ -73,6 +73,14 @@
 // panel asked into L2, an OpenMP region a call) loses 7-16% cold, depending on the minute: the
 // loss is the host's DRAM under this compute density, not this kernel's layout or prefetches. (The
 // host's speed itself moves: the same hot run took 6.4 ms and, a minute before, 9.3.)
+// The cold loss is int8's more than bf16's (a later session, same host: the 121 linears at 16 rows
+// from Python, each call timed cold in step order and again at once, its weight then in L2/L3; best
+// of 8): bf16 (small_gemm) 12.39 ms cold, 11.94 hot (4%); int8 8.21 cold, 7.04 hot (17%): o_proj
+// 0.89 / 0.60, qkv 1.14 / 0.92, down 1.81 / 1.49, gate_up 2.79 / 2.46, the LM head 1.58 / 1.56 (its
+// 28 MB is cold either way; on weights in cache it would take ~1.3). Both kernels need ~4 bytes of
+// weight a cycle per core at full speed (a 64-byte line feeds 16 vpdpbusd, or 16 vdpbf16ps); bf16
+// computes slower and so hides its stream better. Hot, the int8 linears would be 1.70x bf16's; cold
+// they are 1.51x.
 // In the model (bf16, int8, 2 threads, fused decoder loop, A/B alternating in one process, logits
 // equal bit for bit): a 2048-token prefill forward 746 -> 648 ms (1.15x; quiet lock, load 2.5), a
 // 1024-token one 978 -> 802 ms (heavy lock, load 3.8) against w8a8_gemm. At 1 row its panels make
