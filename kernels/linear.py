@@ -49,8 +49,9 @@ INT8_MAX = 127.0
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]  # x [M, K] -> y [M, N], no bias
-"""A kernel may carry a ``float32`` attribute: the same product written as float32 (its fp32 sums
-unrounded), which ``MeasuredLinear.forward_float32`` runs for the LM head's logits."""
+"""A kernel may carry a ``float32`` attribute: the same output written as float32 (its model-dtype
+values, widened as they are stored), which ``MeasuredLinear.forward_float32`` runs for the LM
+head's logits."""
 _choice_cache: dict[tuple, tuple[str, str, str]] = {}
 
 
@@ -142,16 +143,17 @@ class MeasuredLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in_features] -> [..., out_features] float32 (the LM head's logits): the chosen
-        kernel's fp32 sums written as they are where it can (its ``float32`` variant: no rounding
-        to the model dtype and no second pass widening [M, vocab]; 0.2 ms of a 16-row decode step),
-        else its output widened. Equals ``forward(x).float()`` up to that rounding."""
+        """x [..., in_features] -> [..., out_features] float32 (the LM head's logits):
+        ``forward(x).float()`` bit for bit, whichever kernel a bucket chose (so a row's logits never
+        depend on the batch it ran in), written as float32 by the chosen kernel where it can (its
+        ``float32`` variant widens as it stores: no second pass over [M, vocab], 0.2 ms of a 16-row
+        decode step; without a bias only, as forward rounds after adding it)."""
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         kernel = self._chosen[bucket_index(x2.shape[0])]
         wide = getattr(kernel, "float32", None)
-        y = wide(x2) if wide is not None else kernel(x2).float()
-        if self.bias is not None:
-            y = y + self.bias
+        if wide is None or self.bias is not None:
+            return self.forward(x).float()
+        y = wide(x2)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def run_kernel(self, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -390,7 +392,8 @@ def _small_gemm_kernel(w: torch.Tensor) -> Kernel | None:
 
 def _packed_bf16_kernel(op, packed: torch.Tensor, n: int, float32: bool = False) -> Kernel:
     """x [M, K] bf16 -> op(out [M, n], x, packed, n): the call of both kernels on the packed weight,
-    out bf16; float32: with the ``float32`` variant (out float32; small_gemm writes either)."""
+    out bf16; float32: with the ``float32`` variant (out float32, the same values: small_gemm
+    writes either)."""
     def run(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         x = x if x.stride(-1) == 1 else x.contiguous()
         out = torch.empty(x.shape[0], n, dtype=dtype)
@@ -479,7 +482,7 @@ _INT8_LIBRARIES = {"vnni": ("pdserve_int8", (torch.bfloat16,)),
 
 
 def _with_float32(kernel: Kernel, float32: Kernel) -> Kernel:
-    """``kernel`` with ``float32`` (the same product written as float32) as its ``float32`` attribute."""
+    """``kernel`` with ``float32`` (its output written as float32) as its ``float32`` attribute."""
     kernel.float32 = float32  # type: ignore[attr-defined]
     return kernel
 

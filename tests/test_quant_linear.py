@@ -95,23 +95,29 @@ def test_every_kernel_matches_the_fp32_reference(method, dtype, rows):
 
 @pytest.mark.parametrize("method,dtype", list(BOUNDS))
 @pytest.mark.parametrize("rows", [1, 16])
-def test_forward_float32_is_forward_before_its_rounding(method, dtype, rows):
-    """The LM head's logits (MeasuredLinear.forward_float32): float32 [rows, N], forward's values
-    before their rounding to the model dtype (from a chosen kernel that writes fp32 itself, or
-    forward's output widened), plus the bias, within the method's bound."""
-    w, x = weight(), torch.randn(rows, K)
-    lin = make(method, w, torch.zeros(N), dtype)          # (a zero bias: forward's sum stays as rounded)
-    y, y32 = lin(x.to(dtype)), lin.forward_float32(x.to(dtype))
-    assert y32.dtype == torch.float32 and y32.shape == (rows, N)
-    if hasattr(lin._chosen[bucket_index(rows)], "float32"):
-        assert torch.equal(y32.to(dtype), y)
-    else:
-        assert torch.equal(y32, y.float())
-    b = torch.randn(N) * 0.1
-    biased = make(method, w, b, dtype)
-    assert dot_err(biased.forward_float32(x.to(dtype)), x, w, b) < BOUNDS[(method, dtype)]
-    y3 = biased.forward_float32(x.to(dtype).view(rows, 1, K))   # any leading shape, as forward
-    assert y3.shape == (rows, 1, N) and torch.equal(y3.view(rows, N), biased.forward_float32(x.to(dtype)))
+def test_forward_float32_is_forward_widened(method, dtype, rows):
+    """The LM head's logits (MeasuredLinear.forward_float32): forward(x).float() bit for bit,
+    whichever kernel the bucket chose and whether or not it writes fp32 itself, with or without a
+    bias, for any leading shape."""
+    w, x = weight(), torch.randn(rows, K).to(dtype)
+    unbiased = make_unbiased(method, w, dtype)
+    for lin in (unbiased, make(method, w, torch.randn(N) * 0.1, dtype)):
+        y32 = lin.forward_float32(x)
+        assert y32.dtype == torch.float32 and y32.shape == (rows, N)
+        assert torch.equal(y32, lin(x).float()), lin.kernel_names
+        assert torch.equal(lin.forward_float32(x.view(rows, 1, K)).view(rows, N), y32)
+    for name in unbiased.kernel_choices:   # every kernel's float32 variant, chosen or not
+        wide = getattr(unbiased._candidates()[name], "float32", None)
+        if wide is not None:
+            assert torch.equal(wide(x), unbiased.run_kernel(name, x).float()), name
+
+
+def make_unbiased(method: str, w: torch.Tensor, dtype: torch.dtype):
+    if method == "none":
+        return DenseLinear(w.to(dtype), None)
+    if method == "int8":
+        return Int8Linear(w.to(dtype), None)
+    return Fp8Linear(w.to(dtype), None, dtype)
 
 
 def test_fp8_kernels_compute_the_same_products():

@@ -217,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
             x = lops.add_rms_norm(x, residual, norm.weight, norm.eps)
         else:
             x = norm(residual.index_select(0, logits_indices) + x.index_select(0, logits_indices), lops)
-        if self.head_method is not None:   # (fp32 logits straight from its kernel where it can)
+        if self.head_method is not None:   # (written as fp32 by its kernel where it can)
             return self.head_method.forward_float32(x)
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head).float()

@@ -1,9 +1,14 @@
 // The output rows of the decode-sized GEMM kernels (small_gemm.cpp, int8_gemm.cpp,
-// int8_gemm_prefill.cpp): bf16, each rounded once from the kernel's fp32 sum, or those fp32 sums
-// themselves. Why fp32 as well: the LM head's logits are wanted in fp32 (the sampler's softmax and
-// log-probabilities); written as bf16 they lost 16 bits of mantissa and took a separate widening
-// pass over [rows, vocab] (16 rows: 1.5 MB read, 3 MB written, 0.2-0.23 ms of a 10.5 ms int8 decode
-// step, timed inside the step on the Zen 4 host, 2026-12-06).
+// int8_gemm_prefill.cpp): bf16, each rounded once from the kernel's fp32 sum, or those same bf16
+// values widened to fp32. Why fp32: the LM head's logits are wanted in fp32 (the sampler's softmax
+// and log-probabilities), and widening the bf16 logits took a second pass over [rows, vocab] (16
+// rows: 1.5 MB read, 3 MB written, 0.2-0.23 ms of a 10.5 ms int8 decode step, timed inside the step
+// on the Zen 4 host, 2026-12-06). Why the bf16 values rather than the unrounded sums: the head's
+// kernel is chosen per batch-size bucket by timing (kernels/linear.py), and oneDNN's, the AMX ones
+// and F.linear give bf16 only; unrounded sums from some kernels would make a row's logits, and so a
+// greedy token near a tie, depend on the batch it ran in and on the timing (a break-it pass found 3
+// argmax changes in 64 rows between a bf16 and an unrounded head). Rounded, every kernel's logits
+// are forward(x).float() bit for bit (subnormals flushed as vcvtneps2bf16 flushes them).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -31,22 +36,28 @@ struct OutRows {
   }
 
 #if defined(__AVX512BF16__)
-  // out[m, col .. col + 15] = v where mask (fp32 as is, or rounded to bf16 nearest-even).
+  // out[m, col .. col + 15] = v rounded to bf16 (nearest-even), where mask: stored as bf16, or
+  // widened back to fp32 (exact).
   void store(int64_t m, int64_t col, __mmask16 mask, __m512 v) const {
+    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(v);
     if (f32) {
-      _mm512_mask_storeu_ps(static_cast<float*>(base) + m * ld + col, mask, v);
+      const __m512i widened = _mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16);
+      _mm512_mask_storeu_ps(static_cast<float*>(base) + m * ld + col, mask, _mm512_castsi512_ps(widened));
     } else {
-      _mm256_mask_storeu_epi16(static_cast<at::BFloat16*>(base) + m * ld + col, mask, (__m256i)_mm512_cvtneps_pbh(v));
+      _mm256_mask_storeu_epi16(static_cast<at::BFloat16*>(base) + m * ld + col, mask, rounded);
     }
   }
 #endif
 };
 
-// out's rows, after checking it is a bf16 or fp32 [M, N] with contiguous rows.
+// out's rows, after checking it is a bf16 or fp32 [M, N] with contiguous rows that do not overlap
+// (threads write disjoint columns of every row).
 inline OutRows out_rows(const at::Tensor& out) {
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 &&
                   (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
               "out must be bf16 or float32 [M, N], rows contiguous");
+  TORCH_CHECK(out.size(0) <= 1 || out.stride(0) >= out.size(1),
+              "out's rows must not overlap (row stride ", out.stride(0), " < ", out.size(1), " columns)");
   return {out.data_ptr(), out.stride(0), out.scalar_type() == at::kFloat};
 }
 

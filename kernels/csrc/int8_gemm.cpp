@@ -1,7 +1,7 @@
 // INT8 linear layers (kernels/linear.py's Int8Linear, kernel "w8a8_vnni"): int8 weights with
 // per-output-channel scales, activations quantized in the call per token and per group of G input
 // channels (G = `group`, a multiple of 32 dividing K; G = K is one scale per token), bf16 in and
-// out (or, with out_dtype float32, the fp32 sums unrounded: the LM head's logits, gemm_output.h),
+// out (or, with out_dtype float32, the same bf16 values as fp32: the LM head's logits, gemm_output.h),
 // AVX512-VNNI and AVX512-BF16:
 //
 //   out[m, n] = wscale[n] * sum_g sx[m, g] * sum_{k in g} xq[m, k] q[n, k]
@@ -179,7 +179,7 @@ constexpr int nt_index(int nt) { return nt == 1 ? 0 : nt == 2 ? 1 : nt == 4 ? 2 
 #endif
 
 // out [M, N] = the product of x [M, K] bf16 (rows contiguous, or copied so) with the packed
-// weight, in out_dtype (bf16 when None; float32: the fp32 sums unrounded, for logits); the output
+// weight, in out_dtype (bf16 when None; float32: the bf16 values widened, for logits); the output
 // is allocated here (one Python-level call per linear fewer: decode calls 121 linears a step, each
 // a few us of overhead at batch 1).
 at::Tensor w8a8_gemm(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& wscale, int64_t n,

@@ -182,8 +182,9 @@ constexpr MicroKernel for_rows(int rows) {
 MicroKernel pick(int nt, int rows) { return nt == 3 ? for_rows<3>(rows) : nt == 2 ? for_rows<2>(rows) : for_rows<1>(rows); }
 #endif
 
-// out [M, N] (out_dtype: bf16 when None, or float32) = x [M, K] bf16 (rows contiguous, or copied
-// so) times the packed weight, as pdserve_int8::w8a8_gemm (same arguments, same checks, same result).
+// out [M, N] (out_dtype: bf16 when None, or float32 holding the bf16 values) = x [M, K] bf16 (rows
+// contiguous, or copied so) times the packed weight, as pdserve_int8::w8a8_gemm (same arguments,
+// same checks, same result).
 at::Tensor w8a8_gemm_large(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& wscale, int64_t n,
                            int64_t group, std::optional<at::ScalarType> out_dtype) {
   const at::Tensor x = pdserve_int8::checked_input(x_in, packed, wscale, n, group);

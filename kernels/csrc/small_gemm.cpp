@@ -1,5 +1,5 @@
 // bf16 linear layers for decode-sized batches (1-64 rows), y = x W^T, AVX512-BF16; y bf16, or
-// fp32 for the LM head's logits (gemm_output.h).
+// those bf16 values as fp32 for the LM head's logits (gemm_output.h).
 //
 // Why: at 1-64 rows a decode step streams every weight from DRAM once. oneDNN's bf16 kernel
 // computes at 300-480 GFLOP/s per core on weights in cache but hardly overlaps that with the
@@ -115,8 +115,8 @@ constexpr std::array<Kernel, kMaxRows + 1> kKernels[4] = {rows_of<1>(Rows{}), ro
 constexpr int nt_index(int nt) { return nt == 1 ? 0 : nt == 2 ? 1 : nt == 4 ? 2 : 3; }
 #endif
 
-// out [M, N] bf16 or fp32 (pdserve_gemm_out: the LM head's logits) <- x [M, K] bf16 (rows contiguous)
-// times the packed weight [ceil(N/16), K/2, 16, 2].
+// out [M, N] bf16, or fp32 holding the same bf16 values (gemm_output.h: the LM head's logits) <-
+// x [M, K] bf16 (rows contiguous) times the packed weight [ceil(N/16), K/2, 16, 2].
 void small_gemm_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16, "x must be bf16 [M, K], rows contiguous");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 && packed.is_contiguous() &&
