@@ -156,8 +156,9 @@ def command(
         raise UserError(f"--dtype must be one of {', '.join(NEAR_TIE)}, got {dtype!r}")
     if ppl_tokens < 0 or ppl_tokens == 1:
         raise UserError(f"--ppl-tokens must be 0 (no perplexity checks) or >= 2, got {ppl_tokens}")
-    if skip_model and text is not None:
-        raise UserError("--text is the perplexity text of the model's checks, which --skip-model leaves out: "
+    if text is not None and (skip_model or ppl_tokens == 0):
+        other = "--skip-model" if skip_model else "--ppl-tokens 0"
+        raise UserError(f"--text is the perplexity text of the model's checks, which {other} leaves out: "
                         "drop one of the two")
     import torch
 

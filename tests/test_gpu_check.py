@@ -37,6 +37,7 @@ def test_without_cuda_one_line_and_status_2(argv, prefix):
 
 @pytest.mark.parametrize("args,message", [
     (("--skip-model", "--text", "some.txt"), "--text is the perplexity text of the model's checks, which --skip-model"),
+    (("--text", "some.txt", "--ppl-tokens", "0"), "which --ppl-tokens 0 leaves out: drop one of the two"),
     (("--ppl-tokens", "1"), "--ppl-tokens must be 0 (no perplexity checks) or >= 2, got 1"),
     (("--dtype", "int8"), "--dtype must be one of"),
 ])
