@@ -148,13 +148,11 @@ class MeasuredLinear(nn.Module):
         depend on the batch it ran in), written as float32 by the chosen kernel where it can (its
         ``float32`` variant widens as it stores: no second pass over [M, vocab], 0.2 ms of a 16-row
         decode step; without a bias only, as forward rounds after adding it)."""
-        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        kernel = self._chosen[bucket_index(x2.shape[0])]
-        wide = getattr(kernel, "float32", None)
-        if wide is None or self.bias is not None:
-            return self.forward(x).float()
-        y = wide(x2)
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+        if x.dim() == 2 and self.bias is None:   # (the head's case; anything else widens forward's output)
+            wide = getattr(self._chosen[bucket_index(x.shape[0])], "float32", None)
+            if wide is not None:
+                return wide(x)
+        return self.forward(x).float()
 
     def run_kernel(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """One named kernel of ``kernel_choices`` on x [M, K] (tests compare every kernel, not only
@@ -390,6 +388,12 @@ def _small_gemm_kernel(w: torch.Tensor) -> Kernel | None:
     return small
 
 
+def _with_float32(kernel: Kernel, float32: Kernel) -> Kernel:
+    """``kernel`` with ``float32`` (its output written as float32) as its ``float32`` attribute."""
+    kernel.float32 = float32  # type: ignore[attr-defined]
+    return kernel
+
+
 def _packed_bf16_kernel(op, packed: torch.Tensor, n: int, float32: bool = False) -> Kernel:
     """x [M, K] bf16 -> op(out [M, n], x, packed, n): the call of both kernels on the packed weight,
     out bf16; float32: with the ``float32`` variant (out float32, the same values: small_gemm
@@ -403,9 +407,7 @@ def _packed_bf16_kernel(op, packed: torch.Tensor, n: int, float32: bool = False)
     def kernel(x: torch.Tensor) -> torch.Tensor:
         return run(x, torch.bfloat16)
 
-    if float32:
-        kernel.float32 = lambda x: run(x, torch.float32)  # type: ignore[attr-defined]
-    return kernel
+    return _with_float32(kernel, lambda x: run(x, torch.float32)) if float32 else kernel
 
 
 def _amx_gemm_kernel(packed: torch.Tensor, shape: torch.Size) -> Kernel | None:
@@ -479,12 +481,6 @@ def unpack_int8_gemm(packed: torch.Tensor, n: int) -> torch.Tensor:
 _INT8_LIBRARIES = {"vnni": ("pdserve_int8", (torch.bfloat16,)),
                    "amx": ("pdserve_int8_amx", (torch.bfloat16,)),
                    "avx2": ("pdserve_int8_avx2", (torch.float32, torch.bfloat16))}
-
-
-def _with_float32(kernel: Kernel, float32: Kernel) -> Kernel:
-    """``kernel`` with ``float32`` (its output written as float32) as its ``float32`` attribute."""
-    kernel.float32 = float32  # type: ignore[attr-defined]
-    return kernel
 
 
 def _int8_kernel_available(isa: str, dtype: torch.dtype, device: torch.device, in_features: int) -> bool:
