@@ -112,6 +112,23 @@ def test_forward_float32_is_forward_widened(method, dtype, rows):
             assert torch.equal(wide(x), unbiased.run_kernel(name, x).float()), name
 
 
+@pytest.mark.parametrize("method,dtype", list(BOUNDS))
+def test_no_rows_give_an_empty_output(method, dtype):
+    """A batch where no row asks for logits hands the LM head [0, K]; an empty tensor may carry
+    any strides (an empty slice of a transposed one): every entry point returns [0, N] in its
+    dtype, with or without a bias (the kernels' layout checks once refused some of these)."""
+    empties = (torch.empty(0, K), torch.empty(K, 0).t(), torch.empty(K, 5).t()[:0], torch.empty(2, 0, K))
+    for lin in (make(method, weight(), torch.randn(N) * 0.1, dtype), make_unbiased(method, weight(), dtype)):
+        for x in (e.to(dtype) for e in empties):
+            lead = tuple(x.shape[:-1])
+            assert lin(x).shape == lead + (N,) and lin(x).dtype == dtype
+            y32 = lin.forward_float32(x)
+            assert y32.shape == lead + (N,) and y32.dtype == torch.float32
+            if x.dim() == 2:
+                for name in lin.kernel_choices:
+                    assert lin.run_kernel(name, x).shape == (0, N), name
+
+
 def make_unbiased(method: str, w: torch.Tensor, dtype: torch.dtype):
     if method == "none":
         return DenseLinear(w.to(dtype), None)
