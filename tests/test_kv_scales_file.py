@@ -187,7 +187,10 @@ def test_scales_calibrated_on_other_weights_are_recalibrated(tmp_path, caplog):
 
     legacy = _good()                                                         # no "weights": used as it is
     (tmp_path / KV_SCALES_FILE).write_text(json.dumps(legacy))
-    assert load_or_calibrate(tmp_path, LAYERS, HKV, D, _never).weights == ""
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="engine.quantization.kv_scales"):
+        assert load_or_calibrate(tmp_path, LAYERS, HKV, D, _never).weights == ""
+    assert "records no weights fingerprint" in caplog.text and "remove it to recalibrate" in caplog.text
     legacy["weights"] = 7
     (tmp_path / KV_SCALES_FILE).write_text(json.dumps(legacy))
     _expect_user_error(tmp_path, "weights must be the fingerprint")

@@ -29,7 +29,7 @@ same parameters (the transfer compatibility key carries their digest). The file 
 fingerprint of the weights it was calibrated on (``weights_fingerprint``); a file whose fingerprint
 differs from the weights now in the directory (a checkpoint replaced in place, say by a fine-tune)
 is recalibrated with a warning, never used stale; a file without one (written before pdserve
-recorded it) is used as it is. A missing file is
+recorded it) is used as it is, with a warning that says how to get one recorded. A missing file is
 calibrated, never replaced by a silent 1.0; a file of format 1 (scales without offsets, from an
 older pdserve) is recalibrated; a malformed one (shapes other than the model's, scales fp32 cannot
 hold, offsets bf16 or fp16 cannot hold exactly, not UTF-8 JSON) or one that cannot be stored is
@@ -266,7 +266,12 @@ def _cannot_store(model_dir: Path, e: OSError) -> UserError:
 
 
 def _current(stored: KVScales | None, weights: str, path: Path, quiet: bool = False) -> KVScales | None:
-    """``stored`` unless it records a fingerprint other than ``weights`` (None: recalibrate)."""
+    """``stored`` unless it records a fingerprint other than ``weights`` (None: recalibrate). One
+    that records none is used, with a warning (``quiet`` or not: it is returned on the first read)."""
+    if stored is not None and not stored.weights:
+        log.warning("%s records no weights fingerprint (written by an older pdserve), so it cannot be checked "
+                    "against the weights now in %s: using it as it is; remove it to recalibrate and record one",
+                    path, path.parent)
     if stored is None or not stored.weights or stored.weights == weights:
         return stored
     if not quiet:
