@@ -16,7 +16,8 @@ averages are printed beside them):
 - decode step: one ModelRunner forward of B decode tokens (B = ``--batch-sizes``, default 1, 16,
   32; ``--context`` tokens of
   context each) per --quantization method at --dtype, best of --steps, and its speed-up over
-  ``none``. Methods are timed round-robin, so a burst of load hits them alike. Beside it: the
+  ``none``; also the median step and the median of each round's ratio (the spread a busy host
+  puts between single runs shows there). Methods are timed round-robin, so a burst of load hits them alike. Beside it: the
   step's linears (the table above), the rest of the step, the linears' floor (their weight bytes
   at the run's best streaming read, or their operations at the method's GEMM peak, whichever is
   longer: bench/floors.py) and the speed-up those floors allow (``add_floor``).
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -177,7 +179,7 @@ def decode_rows(runners: dict, context: int, steps: int, batches: tuple[int, ...
     for batch in batches:
         chunks = [SeqChunk([100 + b], context, list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)), 1)
                   for b in range(batch)]
-        best = {m: float("inf") for m in methods}
+        times: dict[str, list[float]] = {m: [] for m in methods}
         for _ in range(2):                                   # warm-up
             for r in runners.values():
                 r.forward(chunks)
@@ -185,11 +187,17 @@ def decode_rows(runners: dict, context: int, steps: int, batches: tuple[int, ...
             for m, r in runners.items():
                 t0 = time.perf_counter()
                 r.forward(chunks)
-                best[m] = min(best[m], time.perf_counter() - t0)
+                times[m].append(time.perf_counter() - t0)
+        best = {m: min(t) for m, t in times.items()}
         for m in methods:
-            out.append({"batch": batch, "method": m, "ms": round(best[m] * 1e3, 2), "context": context,
-                        "speedup_vs_none": round(best["none"] / best[m], 2) if "none" in best else None,
-                        "attention_backend": runners[m].attention_backend})
+            row = {"batch": batch, "method": m, "ms": round(best[m] * 1e3, 2),
+                   "ms_median": round(statistics.median(times[m]) * 1e3, 2), "context": context,
+                   "speedup_vs_none": round(best["none"] / best[m], 2) if "none" in best else None,
+                   "attention_backend": runners[m].attention_backend}
+            if "none" in times:   # each round's two steps ran back to back: their ratio sees the same host
+                row["speedup_vs_none_median"] = round(statistics.median(
+                    n / t for n, t in zip(times["none"], times[m])), 2)
+            out.append(row)
     return out
 
 
@@ -273,10 +281,13 @@ def _print_decode(rows: list[dict], result: dict) -> None:
     if before and after and abs(before - after) > 0.15 * min(before, after):
         print(f"(the two reads differ by {abs(before - after) / min(before, after):.0%}: the host's memory was busier at one "
               "of them; the floors take the faster)")
-    print(f"{'batch':>5} {'method':<6} {'ms/step':>8} {'vs none':>8} {'linears':>8} {'rest':>6} {'read':>6} {'compute':>7} "
-          f"{'% floor':>7} {'bound':>6}")
+    print("(ms/step and vs none: the best step of each method; p50: the median step, and the median over rounds of "
+          "the two methods' back-to-back steps' ratio)")
+    print(f"{'batch':>5} {'method':<6} {'ms/step':>8} {'vs none':>8} {'p50 ms':>7} {'p50 vs':>7} {'linears':>8} {'rest':>6} "
+          f"{'read':>6} {'compute':>7} {'% floor':>7} {'bound':>6}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['method']:<6} {r['ms']:>8.2f} {r['speedup_vs_none'] or '':>8} {r.get('linears_ms', ''):>8} "
+        print(f"{r['batch']:>5} {r['method']:<6} {r['ms']:>8.2f} {r['speedup_vs_none'] or '':>8} {r.get('ms_median', ''):>7} "
+              f"{r.get('speedup_vs_none_median', ''):>7} {r.get('linears_ms', ''):>8} "
               f"{r.get('rest_ms', ''):>6} {r.get('read_floor_ms', ''):>6} {r.get('compute_floor_ms', ''):>7} "
               f"{r.get('linears_pct_of_floor', ''):>7} {r.get('bound_vs_none', ''):>6}")
 

@@ -1,4 +1,4 @@
-"""bench quant's floor columns (pure arithmetic over measured rows) and the probes they use."""
+"""bench quant's floor columns and decode-step statistics (pure arithmetic over measured rows) and the probes they use."""
 
 import pytest
 
@@ -49,3 +49,28 @@ def test_peaks_are_given_for_the_methods_asked_and_none_for_fp8():
     assert set(gemm_peaks("bfloat16", ["none", "fp8"])) == {"none"}
     want = {"none", "int8"} if "avx512_vnni" in cpu_flags() else {"none"}
     assert set(gemm_peaks("bfloat16", ["none", "int8"])) == want
+
+
+def test_decode_rows_give_the_best_the_median_and_the_paired_median_ratio(monkeypatch):
+    """Each method's best and median step, and the median over rounds of none's step over the
+    method's in the same round (a clock the fake runners advance: the bench's arithmetic, no model)."""
+    import bench.quant as quant
+
+    clock = [0.0]
+    monkeypatch.setattr(quant.time, "perf_counter", lambda: clock[0])
+
+    class Runner:
+        attention_backend = "cpp"
+
+        def __init__(self, steps_ms):
+            self.steps = iter(steps_ms)
+
+        def forward(self, chunks):
+            clock[0] += next(self.steps) / 1e3
+
+    # two warm-up steps each, then three rounds; round 2 is slow for both (a burst of load)
+    runners = {"none": Runner([99, 99, 14.0, 28.0, 15.0]), "int8": Runner([99, 99, 10.0, 20.0, 10.5])}
+    none, int8 = quant.decode_rows(runners, context=16, steps=3, batches=(1,))
+    assert (none["ms"], none["ms_median"], none["speedup_vs_none_median"]) == (14.0, 15.0, 1.0)
+    assert (int8["ms"], int8["ms_median"], int8["speedup_vs_none"]) == (10.0, 10.5, 1.4)
+    assert int8["speedup_vs_none_median"] == 1.4    # rounds: 1.4, 1.4, 1.43
