@@ -14,13 +14,13 @@ averages are printed beside them):
   and in all, with the GB/s of weight that makes: the GEMM share of the decode step, in hardware
   terms, without attention and the small ops;
 - decode step: one ModelRunner forward of B decode tokens (B = ``--batch-sizes``, default 1, 16,
-  32; ``--context`` tokens of
-  context each) per --quantization method at --dtype, best of --steps, and its speed-up over
-  ``none``; also the median step and the median of each round's ratio (the spread a busy host
-  puts between single runs shows there). Methods are timed round-robin, so a burst of load hits them alike. Beside it: the
-  step's linears (the table above), the rest of the step, the linears' floor (their weight bytes
-  at the run's best streaming read, or their operations at the method's GEMM peak, whichever is
-  longer: bench/floors.py) and the speed-up those floors allow (``add_floor``).
+  32; ``--context`` tokens of context each) per --quantization method at --dtype, best of
+  --steps, and its speed-up over ``none``; also the median step and the median of each round's
+  ratio (the spread a busy host puts between single runs shows there). Methods are timed
+  round-robin, so a burst of load hits them alike. Beside it: the step's linears (the table
+  above), the rest of the step, the linears' floor (their weight bytes at the run's best
+  streaming read, or their operations at the method's GEMM peak, whichever is longer:
+  bench/floors.py) and the speed-up those floors allow (``add_floor``).
 
 Writes JSON (``--json``). Speed is measured here, never in tests.
 """

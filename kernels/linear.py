@@ -133,23 +133,25 @@ class MeasuredLinear(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0]:   # the decoder's [tokens, features]: no reshape or view (~2 us of 121 calls a step)
+        if x.dim() == 2 and x.shape[0]:   # the decoder's [tokens, features]: no reshape or view
+            # (~2 us of 121 calls a step)
             y = self._chosen[bucket_index(x.shape[0])](x)
             return y if self.bias is None else y + self.bias
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0]:
             y = self._chosen[bucket_index(x2.shape[0])](x2)
         else:   # no rows (a batch where no row asks for logits): see _no_rows
-            y = self._no_rows(x2, x2.dtype)
+            y = self._no_rows(x2)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
-    def _no_rows(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[0, out_features] in ``dtype`` for an x of no rows, without calling a kernel: an empty
-        tensor may carry any strides (an empty slice of a transposed one, or what a quantization
-        of one returns), which the kernels' layout checks rightly refuse for real rows."""
-        return torch.empty(0, self.out_features, dtype=dtype, device=x.device)
+    def _no_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[0, out_features] in the output dtype (``self.dtype``) for an x of no rows, without
+        calling a kernel: an empty tensor may carry any strides (an empty slice of a transposed
+        one, or what a quantization of one returns), which the kernels' layout checks rightly
+        refuse for real rows."""
+        return torch.empty(0, self.out_features, dtype=self.dtype, device=x.device)
 
     def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features] float32 (the LM head's logits):
@@ -157,7 +159,8 @@ class MeasuredLinear(nn.Module):
         depend on the batch it ran in), written as float32 by the chosen kernel where it can (its
         ``float32`` variant widens as it stores: no second pass over [M, vocab], 0.2 ms of a 16-row
         decode step; without a bias only, as forward rounds after adding it)."""
-        if x.dim() == 2 and self.bias is None and x.shape[0]:   # (the head's case; anything else widens forward's output)
+        # (the head's case; anything else widens forward's output)
+        if x.dim() == 2 and self.bias is None and x.shape[0]:
             wide = getattr(self._chosen[bucket_index(x.shape[0])], "float32", None)
             if wide is not None:
                 return wide(x)
@@ -167,7 +170,7 @@ class MeasuredLinear(nn.Module):
         """One named kernel of ``kernel_choices`` on x [M, K] (tests compare every kernel, not only
         the chosen ones; an unchosen one is rebuilt for the call, with its weight copy)."""
         kernel = self._kernels.get(name) or self._candidates()[name]
-        y = kernel(x) if x.shape[0] else self._no_rows(x, x.dtype)
+        y = kernel(x) if x.shape[0] else self._no_rows(x)
         return y if self.bias is None else y + self.bias
 
     @property
