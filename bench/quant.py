@@ -16,7 +16,7 @@ averages are printed beside them):
 - decode step: one ModelRunner forward of B decode tokens (B = ``--batch-sizes``, default 1, 16,
   32; ``--context`` tokens of context each) per --quantization method at --dtype, best of
   --steps, and its speed-up over ``none``; also the median step and the median of each round's
-  ratio (the spread a busy host puts between single runs shows there). Methods are timed
+  ratio to ``none`` (the spread a busy host puts between single runs shows there). Methods are timed
   round-robin, so a burst of load hits them alike. Beside it: the step's linears (the table
   above), the rest of the step, the linears' floor (their weight bytes at the run's best
   streaming read, or their operations at the method's GEMM peak, whichever is longer:
@@ -47,7 +47,7 @@ def command(
     dtype: str = typer.Option("bfloat16", "--dtype"),
     methods: str = typer.Option("none,int8,fp8", "--methods", help="Comma-separated --quantization methods."),
     context: int = typer.Option(128, "--context", help="Context of each sequence in the decode step."),
-    steps: int = typer.Option(10, "--steps", help="Timed decode steps per method and batch size."),
+    steps: int = typer.Option(10, "--steps", min=1, help="Timed decode steps per method and batch size."),
     batch_sizes: str = typer.Option("1,16,32", "--batch-sizes", help="Comma-separated decode batch sizes."),
     threads: int = typer.Option(0, "--threads", help="torch threads (0 = the cores this process may use)."),
     skip_linear: bool = typer.Option(False, "--skip-linear",
@@ -194,7 +194,7 @@ def decode_rows(runners: dict, context: int, steps: int, batches: tuple[int, ...
                    "ms_median": round(statistics.median(times[m]) * 1e3, 2), "context": context,
                    "speedup_vs_none": round(best["none"] / best[m], 2) if "none" in best else None,
                    "attention_backend": runners[m].attention_backend}
-            if "none" in times:   # each round's two steps ran back to back: their ratio sees the same host
+            if "none" in times:   # a round's steps run one after another: their ratio sees the same host minute
                 row["speedup_vs_none_median"] = round(statistics.median(
                     n / t for n, t in zip(times["none"], times[m])), 2)
             out.append(row)
@@ -282,11 +282,11 @@ def _print_decode(rows: list[dict], result: dict) -> None:
         print(f"(the two reads differ by {abs(before - after) / min(before, after):.0%}: the host's memory was busier at one "
               "of them; the floors take the faster)")
     print("(ms/step and vs none: the best step of each method; p50: the median step, and the median over rounds of "
-          "the two methods' back-to-back steps' ratio)")
-    print(f"{'batch':>5} {'method':<6} {'ms/step':>8} {'vs none':>8} {'p50 ms':>7} {'p50 vs':>7} {'linears':>8} {'rest':>6} "
+          "none's step over the method's in the same round)")
+    print(f"{'batch':>5} {'method':<6} {'ms/step':>8} {'vs none':>8} {'p50 ms':>8} {'p50 vs':>7} {'linears':>8} {'rest':>6} "
           f"{'read':>6} {'compute':>7} {'% floor':>7} {'bound':>6}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['method']:<6} {r['ms']:>8.2f} {r['speedup_vs_none'] or '':>8} {r.get('ms_median', ''):>7} "
+        print(f"{r['batch']:>5} {r['method']:<6} {r['ms']:>8.2f} {r['speedup_vs_none'] or '':>8} {r['ms_median']:>8.2f} "
               f"{r.get('speedup_vs_none_median', ''):>7} {r.get('linears_ms', ''):>8} "
               f"{r.get('rest_ms', ''):>6} {r.get('read_floor_ms', ''):>6} {r.get('compute_floor_ms', ''):>7} "
               f"{r.get('linears_pct_of_floor', ''):>7} {r.get('bound_vs_none', ''):>6}")

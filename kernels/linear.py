@@ -137,21 +137,24 @@ class MeasuredLinear(nn.Module):
             # (~2 us of 121 calls a step)
             y = self._chosen[bucket_index(x.shape[0])](x)
             return y if self.bias is None else y + self.bias
+        if not x.numel():   # no rows (a batch where no row asks for logits): see _no_rows
+            y = self._no_rows(x)
+            return y if self.bias is None else y + self.bias   # (bias: [N] broadcasts over the leading dims)
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0]:
-            y = self._chosen[bucket_index(x2.shape[0])](x2)
-        else:   # no rows (a batch where no row asks for logits): see _no_rows
-            y = self._no_rows(x2)
+        y = self._chosen[bucket_index(x2.shape[0])](x2)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
     def _no_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """[0, out_features] in the output dtype (``self.dtype``) for an x of no rows, without
-        calling a kernel: an empty tensor may carry any strides (an empty slice of a transposed
-        one, or what a quantization of one returns), which the kernels' layout checks rightly
-        refuse for real rows."""
-        return torch.empty(0, self.out_features, dtype=self.dtype, device=x.device)
+        """[..., out_features] in the output dtype (``self.dtype``) for an x [..., in_features] of
+        no rows, without calling a kernel: an empty tensor may carry any strides (an empty slice of
+        a transposed one, or what a quantization of one returns), which the kernels' layout checks
+        rightly refuse for real rows. ValueError for an x the kernels would refuse with rows (a
+        last dimension other than in_features, another dtype), as F.linear refuses it."""
+        if x.dim() == 0 or x.shape[-1] != self.in_features or x.dtype != self.dtype:
+            raise ValueError(f"x must be {self.dtype} [..., {self.in_features}], got {x.dtype} {list(x.shape)}")
+        return torch.empty(*x.shape[:-1], self.out_features, dtype=self.dtype, device=x.device)
 
     def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features] float32 (the LM head's logits):

@@ -78,6 +78,7 @@ def test_unknown_command_exit_2(argv, capsys):
     (["serve", "--hold-lease", "inf"], "--hold-lease"),
     (["router", "--registry", "redis://127.0.0.1:1/0", "--drain-seconds", "-1"], "--drain-seconds"),
     (["serve", "nosuchmodel"], "unknown model 'nosuchmodel'"),  # the workers would run here: say it now
+    (["bench", "quant", "--steps", "0"], "--steps"),   # no steps timed: it failed after loading both models
     (["serve", "--max-model-len", "100000"], "--max-model-len 100000 exceeds the model's context of 8192"),
     (["serve", "--port", "99999"], "--port"),
     (["serve", "--http-port", "-2"], "--http-port"),

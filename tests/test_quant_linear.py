@@ -116,7 +116,8 @@ def test_forward_float32_is_forward_widened(method, dtype, rows):
 def test_no_rows_give_an_empty_output(method, dtype):
     """A batch where no row asks for logits hands the LM head [0, K]; an empty tensor may carry
     any strides (an empty slice of a transposed one): every entry point returns [0, N] in its
-    dtype, with or without a bias (the kernels' layout checks once refused some of these)."""
+    dtype, with or without a bias (the kernels' layout checks once refused some of these); an empty
+    x of another width or dtype is refused, as with rows."""
     empties = (torch.empty(0, K), torch.empty(K, 0).t(), torch.empty(K, 5).t()[:0], torch.empty(2, 0, K))
     for lin in (make(method, weight(), torch.randn(N) * 0.1, dtype), make_unbiased(method, weight(), dtype)):
         for x in (e.to(dtype) for e in empties):
@@ -127,6 +128,13 @@ def test_no_rows_give_an_empty_output(method, dtype):
             if x.dim() == 2:
                 for name in lin.kernel_choices:
                     assert lin.run_kernel(name, x).shape == (0, N), name
+        # what a kernel would refuse with rows is refused without them too (as F.linear refuses it)
+        other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+        for bad in (torch.empty(0, K + 1, dtype=dtype), torch.empty(2, 0, 7, dtype=dtype),
+                    torch.empty(0, K, dtype=other)):
+            for call in (lin, lin.forward_float32):
+                with pytest.raises(ValueError, match=f"x must be .*\\[\\.\\.\\., {K}\\], got"):
+                    call(bad)
 
 
 def make_unbiased(method: str, w: torch.Tensor, dtype: torch.dtype):
