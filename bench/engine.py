@@ -108,7 +108,7 @@ def command(
     for t in counts:
         torch.set_num_threads(t)
         floors = probe_floors(dtype_names, gemm_size, memcpy_mib,
-                         int8=any(getattr(r, "quantization", "none") == "int8" for r in runners.values()))
+                              int8=any(getattr(r, "quantization", "none") == "int8" for r in runners.values()))
         run = {"threads": t, "floors": floors,
                "prefill": _prefill(runners, tokens[:prompt_tokens], floors, max(2, repeats // 2), hf),
                "decode": [_decode(runners, tokens, context, b, repeats, floors, hf) for b in sizes]}
