@@ -80,7 +80,11 @@
 // 28 MB is cold either way; on weights in cache it would take ~1.3). Both kernels need ~4 bytes of
 // weight a cycle per core at full speed (a 64-byte line feeds 16 vpdpbusd, or 16 vdpbf16ps); bf16
 // computes slower and so hides its stream better. Hot, the int8 linears would be 1.70x bf16's; cold
-// they are 1.51x.
+// they are 1.51x. Inside the decode step it is otherwise (the next session, same host, 16 rows, one
+// process, profiler self-times, A/B): with every layer reading layer 0's weights (all in cache) the
+// int8 GEMMs of a step went 8.18 -> 7.64 ms and bf16's 11.19 -> 10.48, so in the step the misses
+// cost both alike; there int8's GEMMs run ~1.56x bf16's (1.52x called alone), and what keeps the
+// step near 1.4x is the rest of it (attention, small ops, Python: ~2-3 ms, the same for both).
 // In the model (bf16, int8, 2 threads, fused decoder loop, A/B alternating in one process, logits
 // equal bit for bit): a 2048-token prefill forward 746 -> 648 ms (1.15x; quiet lock, load 2.5), a
 // 1024-token one 978 -> 802 ms (heavy lock, load 3.8) against w8a8_gemm. At 1 row its panels make
