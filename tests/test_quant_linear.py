@@ -71,12 +71,13 @@ BOUNDS = {("none", torch.bfloat16): 0.001, ("none", torch.float32): 1e-6,
           ("fp8", torch.bfloat16): 0.01}
 
 
-def make(method: str, w: torch.Tensor, b: torch.Tensor, dtype: torch.dtype):
+def make(method: str, w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype):
+    b = None if b is None else b.to(dtype)
     if method == "none":
-        return DenseLinear(w.to(dtype), b.to(dtype))
+        return DenseLinear(w.to(dtype), b)
     if method == "int8":
-        return Int8Linear(w.to(dtype), b.to(dtype))
-    return Fp8Linear(w.to(dtype), b.to(dtype), dtype)
+        return Int8Linear(w.to(dtype), b)
+    return Fp8Linear(w.to(dtype), b, dtype)
 
 
 @pytest.mark.parametrize("method,dtype", list(BOUNDS))
@@ -100,7 +101,7 @@ def test_forward_float32_is_forward_widened(method, dtype, rows):
     whichever kernel the bucket chose and whether or not it writes fp32 itself, with or without a
     bias, for any leading shape."""
     w, x = weight(), torch.randn(rows, K).to(dtype)
-    unbiased = make_unbiased(method, w, dtype)
+    unbiased = make(method, w, None, dtype)
     for lin in (unbiased, make(method, w, torch.randn(N) * 0.1, dtype)):
         y32 = lin.forward_float32(x)
         assert y32.dtype == torch.float32 and y32.shape == (rows, N)
@@ -119,7 +120,7 @@ def test_no_rows_give_an_empty_output(method, dtype):
     dtype, with or without a bias (the kernels' layout checks once refused some of these); an empty
     x of another width or dtype is refused, as with rows."""
     empties = (torch.empty(0, K), torch.empty(K, 0).t(), torch.empty(K, 5).t()[:0], torch.empty(2, 0, K))
-    for lin in (make(method, weight(), torch.randn(N) * 0.1, dtype), make_unbiased(method, weight(), dtype)):
+    for lin in (make(method, weight(), torch.randn(N) * 0.1, dtype), make(method, weight(), None, dtype)):
         for x in (e.to(dtype) for e in empties):
             lead = tuple(x.shape[:-1])
             assert lin(x).shape == lead + (N,) and lin(x).dtype == dtype
@@ -135,14 +136,6 @@ def test_no_rows_give_an_empty_output(method, dtype):
             for call in (lin, lin.forward_float32):
                 with pytest.raises(ValueError, match=f"x must be .*\\[\\.\\.\\., {K}\\], got"):
                     call(bad)
-
-
-def make_unbiased(method: str, w: torch.Tensor, dtype: torch.dtype):
-    if method == "none":
-        return DenseLinear(w.to(dtype), None)
-    if method == "int8":
-        return Int8Linear(w.to(dtype), None)
-    return Fp8Linear(w.to(dtype), None, dtype)
 
 
 def test_fp8_kernels_compute_the_same_products():
