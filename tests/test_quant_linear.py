@@ -161,9 +161,9 @@ def test_int8_activation_group_per_projection():
     layer = "model.layers.7."
     assert [int8_act_group(layer + p, 576) for p in ("self_attn.qkv_proj", "self_attn.q_proj", "self_attn.o_proj",
                                                        "mlp.gate_up_proj", "mlp.up_proj", "mlp.down_proj")] == \
-        [64, 64, 576, 64, 64, None]
-    assert int8_act_group(layer + "self_attn.qkv_proj", 96) is None    # 64 does not divide 96: the default
-    assert int8_act_group(layer + "self_attn.o_proj", 100) == 100       # one scale per token at any width
+        [576, 576, 576, 576, 576, None]                                 # down_proj: the default (32)
+    assert int8_act_group(layer + "self_attn.qkv_proj", 96) == 96       # one scale per token at any width
+    assert int8_act_group(layer + "self_attn.o_proj", 100) == 100
 
 
 def test_bucket_boundaries():
@@ -190,8 +190,10 @@ def test_quantized_model_predicts_like_the_bf16_model(model_path, tokenizer, sha
             all(m.method in ("fp8", "none") for m in linears)
     else:
         assert all(m.method == method for m in linears)
-        groups = {m.group for m in runner.model.model.layers[0].modules() if isinstance(m, MeasuredLinear)}
-        assert groups == {64, 576, 32}   # apply.INT8_ACT_GROUPS: qkv and gate_up 64, o one per token, down 32
+        groups = {name: m.group for name, m in runner.model.model.layers[0].named_modules() if isinstance(m, MeasuredLinear)}
+        assert groups == {"self_attn.qkv_proj": 576, "self_attn.o_proj": 576, "mlp.gate_up_proj": 576,
+                          "mlp.down_proj": 32}   # apply.INT8_ACT_GROUPS: one scale per token but for down_proj
+        assert runner.model.head_method.group == 576   # (the residual stream rotated: engine/quantization/rotation.py)
     logits = runner.forward(chunk)
     agree = float((logits.argmax(-1) == base.argmax(-1)).float().mean())
     assert agree > 0.85 and rel_err(logits, base) < 0.25, (agree, rel_err(logits, base))

@@ -197,6 +197,7 @@ def test_int8_draft_with_a_reduced_vocabulary_keeps_greedy_output(model_path, ru
     eng = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=600), speculative=cfg), runner=runner,
                     tokenizer=tokenizer, draft_runner=small)
     assert small.model.head_method.out_features == n
+    assert small.model.head_method.group == small.model_config.hidden_size   # the full head's: one scale per token
     proposer, proposed = eng.speculator.proposer, []
     propose = proposer.propose_batch
 

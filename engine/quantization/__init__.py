@@ -11,7 +11,8 @@ from engine.errors import UserError
 
 QUANTIZATION_METHODS = ("none", "int8", "fp8")
 """none: the model dtype (the fastest bf16/fp32 kernel measured at load); int8: per-output-channel
-symmetric int8 weights, activations quantized dynamically per token and group of 32 channels; fp8: E4M3 weights with per-output-channel scales, activations quantized
+symmetric int8 weights, activations quantized dynamically per token (the residual stream rotated
+first; down_proj's per group of 32 channels); fp8: E4M3 weights with per-output-channel scales, activations quantized
 dynamically per token (W8A8)."""
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")

@@ -8,19 +8,23 @@ layers' linears of the bundled model, so it decides much of the decode step); wi
 it is the fastest dense kernel in the model dtype (FP8 keeps the head, as vLLM does). The
 embedding lookup keeps its own table.
 
-INT8 is W8A8 with activation scales per token and per group of 32 input channels
-(kernels.linear.ACT_GROUP; wider where the inputs allow it: INT8_ACT_GROUPS), chosen by perplexity
-(bf16, WikiText-2, fake-quantized on 2,047 tokens unless said): one scale per token +4.7% (an
+INT8 is W8A8 with the residual stream rotated first (engine/quantization/rotation.py: a
+randomized Hadamard folded into the weights, QuaRot-style), then one activation scale per token
+for every linear but ``down_proj``, which keeps groups of 32 input channels (kernels.linear.
+ACT_GROUP; INT8_ACT_GROUPS, INT8_HEAD_GROUP). Chosen by perplexity (bf16, WikiText-2,
+fake-quantized on 2,047 tokens unless said): without rotation one scale per token costs +4.7% (an
 outlier channel, the "massive activations" of Sun et al. 2024 that the ``down_proj`` inputs of six
 layers carry at 43-1,560x their median, leaves every other channel of its token a few levels);
 SmoothQuant alpha 0.5 (Xiao et al. 2023) with those six kept W8A16: +1.57% (pdserve eval ppl, 8,192
 tokens); per group of 64 +0.87%; per group of 32 +0.34%; weight-only W8A16 +0.51% (+0.44% through
 pdserve eval ppl on 8,192 tokens). Through pdserve eval ppl, per group of 32: +0.54% on 8,192
 tokens (context 1024, stride 512) and +0.54% on the whole WikiText-2 test text (304,688 tokens
-scored, context 1024, stride 1024: bf16 24.886, int8 25.021).
-Groups of 32 are as good as weight-only int8 and keep VNNI's int8 products: kernels/csrc/int8_gemm.cpp
-reads the weight as int8 (half of bf16's bytes, what a decode step at batch 1 streams) and
-multiplies twice as many pairs per instruction as bf16 (what decides batches of 16 and more).
+scored, context 1024, stride 1024: bf16 24.886, int8 25.021). The rotation spreads the outliers of
+the stream (not those of ``down_proj``'s inputs, which it does not reach): on 8,192 tokens, the
+groups of before (qkv and gate/up 64, the head 32) +0.68%, rotated with one scale per token +0.11%.
+VNNI's int8 products: kernels/csrc/int8_gemm.cpp reads the weight as int8 (half of bf16's bytes,
+what a decode step at batch 1 streams) and multiplies twice as many pairs per instruction as bf16
+(what decides batches of 16 and more).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from torch import nn
 
 from engine.quantization import check_quantization
 from engine.quantization.checkpoint import Fp8Weight
+from engine.quantization.rotation import rotate_residual
 from kernels.linear import DenseLinear, Fp8Linear, Int8Linear, quantize_fp8_per_channel
 
 DEBUG_SCALE_FACTOR_ENV = "PDSERVE_DEBUG_FP8_SCALE_FACTOR"
@@ -41,29 +46,25 @@ quantization, so quality gates (``pdserve bench ablate``) can be shown to catch 
 `pdserve serve` inherit it (deploy/cluster.py forwards PDSERVE_DEBUG_* to the Ray actors)."""
 
 
-INT8_ACT_GROUPS = {"self_attn.qkv_proj": 64, "self_attn.o_proj": 0, "mlp.gate_up_proj": 64}
+INT8_ACT_GROUPS = {"self_attn.qkv_proj": 0, "self_attn.o_proj": 0, "mlp.gate_up_proj": 0}
 """Input channels per activation scale of the INT8 linears whose inputs allow more than
 kernels.linear.ACT_GROUP (32; 0 = the whole row, one scale per token); unfused q/k/v and gate/up
 take their fused linear's. Wider groups are fewer int32 -> fp32 conversions in the kernel
-(kernels/csrc/int8_gemm.cpp), a part of 16-row decode (of the whole step less than it seemed:
-see the end of this note): at 16 rows, one thread, weights out of cache, qkv 57 -> 53 us, o 52 ->
-46, gate_up 128 -> 110 (per layer 321 -> 293 us, down_proj's 84 unchanged). Chosen by pdserve eval ppl (bf16, first 16,384 WikiText-2 test tokens, context 1024,
-stride 512): bf16 18.671; every linear at 32: 18.800 (+0.69%); one scale per token for qkv
-alone: 19.102 (+2.31%), for gate_up alone 18.950 (+1.50%), for o alone 18.817 (+0.78%): the
-RMSNorm outputs that qkv and gate_up read carry outlier channels too, attention outputs do not;
-this table: 18.827 (+0.84%). down_proj keeps 32 (the massive activations above). Tried on top of
-this table and not kept: down_proj at 64 outside the six layers whose inputs carry the massive
-activations (2, 9, 10, 11, 28, 29 here: max/median channel amax 48-4,033, the others 4-28) 18.857
-(+0.16% more, for ~12% of down_proj's 16-row time); the LM head at 64 18.841 (+0.07% more, its
-16-row call 808 -> 717 us), one scale per token 18.924. Fake-quantized (weights and activations
-rounded in Python, bf16, 16,384 tokens, the same windows; 2026-12-06), where this table comes out
-at +0.70% (+0.84% above through the kernels): qkv and gate_up at 96 +0.67%, at 192 +0.82%, at 192
-with down_proj at 64 +1.05%; on 8,192 tokens, the 32 input channels of largest calibrated amax as
-one group and the rest as another (outliers apart, LLM.int8()-style) for qkv and gate_up +0.65%
-(this table +0.71%), for every linear +0.97%, one scale per token everywhere +3.53%. None taken,
-as the groups cost little of the 16-row decode step: all 120 decoder linears at one scale per
-token 6.56 -> 6.13 ms, at 96 -0.14 ms; and groups of 96 are not a multiple of 64, so AMX-INT8
-(int8_gemm_amx.cpp) would run them in 32-channel steps, slower there than the 64 they replace."""
+(kernels/csrc/int8_gemm.cpp): at 16 rows, one thread, weights out of cache, 32 -> 64: qkv 57 -> 53
+us, o 52 -> 46, gate_up 128 -> 110. One scale per token for qkv and gate/up needs the rotated
+stream (rotation.py): unrotated it cost qkv alone +2.31%, gate_up alone +1.50% (pdserve eval ppl,
+bf16, 16,384 WikiText-2 tokens; o_proj's attention outputs carry no outlier channels: +0.78%, then
+and now one scale per token). Rotated, with the LM head also at one scale per token (8,192
+tokens): +0.11% against +0.68% for the groups of before (qkv and gate_up 64, head 32); the 16-row
+decode step 2-3% faster (Zen 4, 2 threads, A/B in one process, both build orders). down_proj keeps
+32: its inputs, past the SiLU, are not rotated; at 64 outside the six layers whose inputs carry
+the massive activations (2, 9, 10, 11, 28, 29 here: max/median channel amax 48-4,033, the others
+4-28) it cost +0.16% more (unrotated), for ~12% of its 16-row time."""
+
+INT8_HEAD_GROUP = 0
+"""Input channels per activation scale of the INT8 LM head (0: one scale per token), as
+INT8_ACT_GROUPS: its input is the rotated stream's final norm (unrotated, 64 cost +0.07% and one
+scale per token +0.52% over 32)."""
 
 
 def int8_act_group(name: str, in_features: int) -> int | None:
@@ -102,7 +103,9 @@ def debug_scale_factor() -> float | None:
 
 
 def apply_quantization(model: nn.Module, method: str, fp8_weights: dict[str, Fp8Weight] | None = None) -> int:
-    """Replace the decoder's linears in place; return how many were replaced.
+    """Replace the decoder's linears in place; return how many were replaced. With int8 the
+    residual stream is rotated first (rotation.rotate_residual: the weights and norms change, the
+    LM head becomes an untied ``lm_head``), so int8 and only int8 models hold rotated weights.
 
     fp8_weights: an FP8 checkpoint's E4M3 weights and per-output-channel scales, by the linear's
     module name (``model.layers.0.self_attn.q_proj``; engine/quantization/checkpoint.py); with
@@ -113,6 +116,8 @@ def apply_quantization(model: nn.Module, method: str, fp8_weights: dict[str, Fp8
     if method == "fp8" and (factor := debug_scale_factor()) is not None:
         compute_dtype = model.model.embed_tokens.weight.dtype   # the weights become E4M3 below
         weight_scales = _corrupted_fp8_scales(model, factor)
+    if method == "int8":   # before the linears are replaced: folded into their weights
+        rotate_residual(model)
     replaced, num_layers = 0, len(model.model.layers)
     for name, parent in list(model.named_modules()):
         if not name.startswith("model.layers."):
@@ -131,7 +136,8 @@ def apply_quantization(model: nn.Module, method: str, fp8_weights: dict[str, Fp8
                 replaced += 1
     head = (model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight).detach()
     if method == "int8":
-        model.head_method = Int8Linear(head, None, decode_only=True)   # logits: one row per sequence
+        model.head_method = Int8Linear(head, None, decode_only=True,   # logits: one row per sequence
+                                       group=INT8_HEAD_GROUP or head.shape[1])
     else:
         model.head_method = DenseLinear(head, None, decode_only=True)   # logits: one row per sequence
     return replaced

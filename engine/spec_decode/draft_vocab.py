@@ -42,5 +42,6 @@ def restrict_lm_head(model, vocab_size: int) -> None:
         return
     weight = (model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight).detach()
     method = DenseLinear if head is None else type(head)   # Int8Linear or DenseLinear (fp8 keeps the head dense)
-    model.head_method = method(weight[:vocab_size].contiguous(), None, decode_only=True)
+    group = {"group": head.group} if hasattr(head, "group") else {}   # (an INT8 head's activation group)
+    model.head_method = method(weight[:vocab_size].contiguous(), None, decode_only=True, **group)
 
