@@ -560,17 +560,22 @@ class Int8Linear(MeasuredLinear):
     method = "int8"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, decode_only: bool = False,
-                 group: int | None = None) -> None:
+                 group: int | None = None, *, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """decode_only: see MeasuredLinear._choose (the LM head). group: input channels per
-        activation scale (a multiple of ACT_GROUP dividing in_features; default act_group())."""
+        activation scale (a multiple of ACT_GROUP dividing in_features; default act_group()).
+        quantized: the int8 weight [N, K] and its per-channel scales float32 [N], taken as they are
+        (``weight`` then gives only the shape and dtype: a meta tensor does)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.dtype = weight.dtype
+        self.dtype, self.decode_only = weight.dtype, decode_only
         self.group = act_group(self.in_features) if group is None else group
         if self.in_features % self.group or (self.group != self.in_features and self.group % ACT_GROUP):
             raise ValueError(f"activation group {self.group} must divide in_features {self.in_features} "
                              f"and be a multiple of {ACT_GROUP} (or in_features itself)")
-        q, scale = quantize_int8_per_channel(weight)
+        q, scale = quantize_int8_per_channel(weight) if quantized is None else quantized
+        if q.shape != weight.shape or q.dtype != torch.int8 or scale.shape != (q.shape[0],):
+            raise ValueError(f"quantized must be int8 {list(weight.shape)} and its scales [{weight.shape[0]}], "
+                             f"got {q.dtype} {list(q.shape)} and {list(scale.shape)}")
         self._vnni = _int8_kernel_available("vnni", self.dtype, q.device, self.in_features)
         self._amx = self._vnni and _int8_kernel_available("amx", self.dtype, q.device, self.in_features)
         self._avx2 = _int8_kernel_available("avx2", self.dtype, q.device, self.in_features)
@@ -597,6 +602,17 @@ class Int8Linear(MeasuredLinear):
                      else ("w8a8_avx2",) * 3 if self._avx2 else None)
         self._choose(self._candidates(), self.dtype, q.device, preferred, decode_only,
                      first_bucket={"w8a8_vnni_large": 1, **({"dequant_dense": 2} if self.tiled else {})})
+
+    def first_rows(self, n: int) -> "Int8Linear":
+        """A linear computing this one's first ``n`` outputs, from the same int8 rows and scales
+        (per-channel quantization: a row's values do not depend on the others), with the same
+        activation group; its kernels chosen anew (the LM head cut to a draft vocabulary)."""
+        if not 1 <= n <= self.out_features:
+            raise ValueError(f"n must be in [1, {self.out_features}], got {n}")
+        shape = torch.empty(n, self.in_features, dtype=self.dtype, device="meta")
+        bias = None if self.bias is None else self.bias[:n]
+        return Int8Linear(shape, bias, self.decode_only, self.group,
+                          quantized=(self._int8_nk()[:n].contiguous(), self.weight_scale[:n].contiguous()))
 
     def _int8_nk(self) -> torch.Tensor:
         """The int8 weight [N, K] (unpacked from the tiles when they hold it: a copy)."""

@@ -166,6 +166,20 @@ def test_int8_activation_group_per_projection():
     assert int8_act_group(layer + "self_attn.o_proj", 100) == 100
 
 
+def test_int8_first_rows_compute_the_first_outputs_from_the_same_int8_rows():
+    torch.manual_seed(0)
+    w = weight().bfloat16()
+    x = torch.randn(5, w.shape[1]).bfloat16()
+    full = Int8Linear(w, None, decode_only=True, group=w.shape[1])
+    cut = full.first_rows(37)
+    assert (cut.out_features, cut.group, cut.decode_only) == (37, w.shape[1], True)
+    assert torch.equal(cut.forward_float32(x), full.forward_float32(x)[:, :37])
+    with pytest.raises(ValueError, match="n must be in"):
+        full.first_rows(w.shape[0] + 1)
+    with pytest.raises(ValueError, match="quantized must be int8"):
+        Int8Linear(w, None, quantized=(torch.zeros(w.shape[0], 3, dtype=torch.int8), torch.ones(w.shape[0])))
+
+
 def test_bucket_boundaries():
     assert [bucket_index(m) for m in (1, 4, 5, 16, 128, 129, 512)] == [0, 0, 1, 1, 1, 2, 2]
 

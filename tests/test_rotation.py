@@ -75,6 +75,55 @@ def test_rotated_model_gives_the_same_logits(model_path, monkeypatch):
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
+@pytest.mark.parametrize("arch, extra", [
+    ("LlamaForCausalLM", dict(tie_word_embeddings=False, attention_bias=True, mlp_bias=True)),   # o/down biases
+    ("Qwen2ForCausalLM", dict(tie_word_embeddings=True)),                                        # qkv bias, tied
+])
+def test_rotation_keeps_the_logits_of_biased_and_untied_models(tmp_path, monkeypatch, arch, extra):
+    """A tiny random checkpoint in fp32, its norm weights random too (they are folded into the
+    linears): rotated, the runtime gives the logits it gave before."""
+    import engine.model_runner as model_runner
+    from engine.model_runner import ModelRunner
+    from tests.test_model_runtime import _tiny_checkpoint
+
+    hf = _tiny_checkpoint(tmp_path, arch, **extra)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 2.0)
+    hf.save_pretrained(tmp_path)
+    ids = list(range(3, 40))
+    plain = ModelRunner(str(tmp_path), block_size=4, num_blocks=16)
+    expected = _logits(plain, ids)
+    apply = model_runner.apply_quantization
+
+    def rotated_then_applied(model, method, **kw):
+        rotate_residual(model)
+        return apply(model, method, **kw)
+
+    monkeypatch.setattr(model_runner, "apply_quantization", rotated_then_applied)
+    got = _logits(ModelRunner(str(tmp_path), block_size=4, num_blocks=16), ids)
+    assert (got - expected).abs().max() < 1e-4 * max(1.0, float(expected.abs().max()))
+
+
+def test_rotation_runs_where_the_weights_are():
+    """Every tensor the rotation makes is on the weights' device (meta here: shapes only)."""
+    import dataclasses
+
+    from engine.model_config import ModelConfig
+    from engine.model_loader import resolve_model
+    from engine.models.llama import LlamaForCausalLM
+
+    cfg = dataclasses.replace(ModelConfig.from_pretrained(resolve_model("smollm2-135m-instruct")), num_layers=1,
+                              vocab_size=64, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                              head_dim=16)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+        model.fuse_projections()
+    rotate_residual(model)
+    assert model.lm_head.weight.device.type == "meta" and model.lm_head.weight.shape == (64, 64)
+
+
 def test_rotating_a_quantized_model_is_refused(model_path):
     from engine.model_runner import ModelRunner
 

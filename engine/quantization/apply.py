@@ -104,8 +104,10 @@ def debug_scale_factor() -> float | None:
 
 def apply_quantization(model: nn.Module, method: str, fp8_weights: dict[str, Fp8Weight] | None = None) -> int:
     """Replace the decoder's linears in place; return how many were replaced. With int8 the
-    residual stream is rotated first (rotation.rotate_residual: the weights and norms change, the
-    LM head becomes an untied ``lm_head``), so int8 and only int8 models hold rotated weights.
+    residual stream is rotated first (rotation.rotate_residual: the weights and norms change), so
+    int8 and only int8 models hold rotated weights; the rotated head is then held by
+    ``head_method`` alone (``lm_head`` is dropped: the embedding is not the head, whatever
+    ``lm_head is None`` says elsewhere).
 
     fp8_weights: an FP8 checkpoint's E4M3 weights and per-output-channel scales, by the linear's
     module name (``model.layers.0.self_attn.q_proj``; engine/quantization/checkpoint.py); with
@@ -138,6 +140,7 @@ def apply_quantization(model: nn.Module, method: str, fp8_weights: dict[str, Fp8
     if method == "int8":
         model.head_method = Int8Linear(head, None, decode_only=True,   # logits: one row per sequence
                                        group=INT8_HEAD_GROUP or head.shape[1])
+        model.lm_head = None   # (rotate_residual's untied head: its bytes now live in head_method alone)
     else:
         model.head_method = DenseLinear(head, None, decode_only=True)   # logits: one row per sequence
     return replaced

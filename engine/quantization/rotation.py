@@ -211,7 +211,7 @@ def rotate_residual(model: nn.Module, rot: Rotation | None = None) -> Rotation:
     model.lm_head.weight.copy_(head.to(model.lm_head.weight.dtype))
     del head
     m.norm.weight.fill_(1)
-    reads(m.embed_tokens.weight, torch.ones(width))
+    reads(m.embed_tokens.weight, torch.ones(width, device=m.embed_tokens.weight.device))
     for norm_attn, reads_attn, norm_mlp, reads_mlp, writes in layers:
         for norm, linears in ((norm_attn, reads_attn), (norm_mlp, reads_mlp)):
             for linear in linears:

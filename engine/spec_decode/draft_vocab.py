@@ -35,13 +35,14 @@ def restrict_lm_head(model, vocab_size: int) -> None:
     if not 1 <= vocab_size <= full:
         raise ValueError(f"draft vocabulary size must be in [1, {full}] (the draft model's vocabulary), "
                          f"got {vocab_size}")
-    from kernels.linear import DenseLinear
+    from kernels.linear import DenseLinear, Int8Linear
 
     head = model.head_method
     if head is not None and head.out_features == vocab_size:
         return
+    if isinstance(head, Int8Linear):   # its own int8 rows (the model holds no other copy of a rotated head)
+        model.head_method = head.first_rows(vocab_size)
+        return
     weight = (model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight).detach()
-    method = DenseLinear if head is None else type(head)   # Int8Linear or DenseLinear (fp8 keeps the head dense)
-    group = {"group": head.group} if hasattr(head, "group") else {}   # (an INT8 head's activation group)
-    model.head_method = method(weight[:vocab_size].contiguous(), None, decode_only=True, **group)
+    model.head_method = DenseLinear(weight[:vocab_size].contiguous(), None, decode_only=True)   # (fp8 keeps the head dense)
 
