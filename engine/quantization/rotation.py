@@ -150,7 +150,10 @@ class Rotation:
         if self.dense is not None:
             return x @ self.dense.to(x.device)
         if x.shape[0] > self.CHUNK_ROWS:   # row chunks: each one's passes stay in cache
-            return torch.cat([self.apply(c) for c in x.split(self.CHUNK_ROWS)])
+            out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+            for src, dst in zip(x.split(self.CHUNK_ROWS), out.split(self.CHUNK_ROWS)):
+                dst.copy_(self.apply(src))
+            return out
         y = x * self.signs.to(x.device)
         before, after = 1, self.n
         for b in self.blocks:   # y [R, before, m, after]: the block on the m axis, as one 2-D matmul
@@ -160,6 +163,17 @@ class Rotation:
             y = y.reshape(-1, before, after, m).transpose(2, 3)
             before *= m
         return y.reshape(x.shape) / math.sqrt(self.n)
+
+    def fold(self, w: torch.Tensor, scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out = w diag(scale) Q for w [R, n] of any float dtype, CHUNK_ROWS rows at a time (each
+        in float32, rounded once to out's dtype): no float32 copy of the whole weight. out: w itself
+        (in place) unless given. Returns out."""
+        out = w if out is None else out
+        s = None if scale is None else scale.float()
+        for src, dst in zip(w.split(self.CHUNK_ROWS), out.split(self.CHUNK_ROWS)):
+            x = src.float()
+            dst.copy_(self.apply(x if s is None else x * s[None, :]).to(dst.dtype))
+        return out
 
     def matrix(self) -> torch.Tensor:
         """Q as a float64 [n, n] matrix."""
@@ -200,28 +214,24 @@ def rotate_residual(model: nn.Module, rot: Rotation | None = None) -> Rotation:
         for linear in (*reads_attn, *reads_mlp, *writes):
             _check(linear)
 
-    def reads(w: torch.Tensor, gamma: torch.Tensor) -> None:   # W [N, n] -> W diag(gamma) Q
-        w.copy_(rot.apply(w.float() * gamma.float()[None, :]).to(w.dtype))
-
-    head = m.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    head = rot.apply(head.float() * m.norm.weight.float()[None, :])
+    emb = m.embed_tokens.weight
     if model.lm_head is None:   # untie: the head now differs from the embedding
-        model.lm_head = nn.Linear(width, head.shape[0], bias=False, device=head.device, dtype=m.embed_tokens.weight.dtype)
-        model.lm_head.requires_grad_(False)
-    model.lm_head.weight.copy_(head.to(model.lm_head.weight.dtype))
-    del head
+        model.lm_head = nn.Linear(width, emb.shape[0], bias=False, device="meta")   # (no init: filled below)
+        model.lm_head.weight = nn.Parameter(torch.empty_like(emb), requires_grad=False)
+        rot.fold(emb, m.norm.weight, out=model.lm_head.weight)   # H diag(gamma_final) Q, H = E
+    else:
+        rot.fold(model.lm_head.weight, m.norm.weight)
     m.norm.weight.fill_(1)
-    reads(m.embed_tokens.weight, torch.ones(width, device=m.embed_tokens.weight.device))
+    rot.fold(emb)
     for norm_attn, reads_attn, norm_mlp, reads_mlp, writes in layers:
         for norm, linears in ((norm_attn, reads_attn), (norm_mlp, reads_mlp)):
-            for linear in linears:
-                reads(linear.weight, norm.weight)
+            for linear in linears:   # W [N, n] -> W diag(gamma) Q
+                rot.fold(linear.weight, norm.weight)
             norm.weight.fill_(1)
         for linear in writes:   # W [n, K] -> Q^T W = (W^T Q)^T, b -> b Q
-            w = linear.weight
-            w.copy_(rot.apply(w.float().T).T.to(w.dtype))
+            rot.fold(linear.weight.T)
             if linear.bias is not None:
-                linear.bias.copy_(rot.apply(linear.bias.float()[None, :])[0].to(linear.bias.dtype))
+                rot.fold(linear.bias[None, :])
     return rot
 
 
