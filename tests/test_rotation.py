@@ -47,15 +47,11 @@ def _logits(runner, ids: list[int]) -> torch.Tensor:
     return runner.forward([SeqChunk(ids, 0, list(range(runner.num_blocks)), len(ids))])
 
 
-def test_rotated_model_gives_the_same_logits(model_path, monkeypatch):
-    """fp32, no quantization: the rotation folded into the weights leaves every logit of a prompt
-    as it was, up to the float32 rounding of the folded products."""
+def _rotated_runner(monkeypatch, *args, **kwargs):
+    """A ModelRunner(*args, **kwargs) whose model is rotated (rotate_residual) just before its
+    linear method is applied, as --quantization int8 does, here with the method asked for."""
     import engine.model_runner as model_runner
-    from engine.model_runner import ModelRunner
 
-    ids = [1, 504, 3458, 282, 4649, 314, 253, 1345, 28, 2]
-    plain = ModelRunner(model_path, block_size=16, num_blocks=2, dtype=torch.float32, decoder_loop=False)
-    expected = _logits(plain, ids)
     apply = model_runner.apply_quantization
 
     def rotated_then_applied(model, method, **kw):
@@ -63,7 +59,19 @@ def test_rotated_model_gives_the_same_logits(model_path, monkeypatch):
         return apply(model, method, **kw)
 
     monkeypatch.setattr(model_runner, "apply_quantization", rotated_then_applied)
-    rot = ModelRunner(model_path, block_size=16, num_blocks=2, dtype=torch.float32, decoder_loop=False)
+    return model_runner.ModelRunner(*args, **kwargs)
+
+
+def test_rotated_model_gives_the_same_logits(model_path, monkeypatch):
+    """fp32, no quantization: the rotation folded into the weights leaves every logit of a prompt
+    as it was, up to the float32 rounding of the folded products."""
+    from engine.model_runner import ModelRunner
+
+    ids = [1, 504, 3458, 282, 4649, 314, 253, 1345, 28, 2]
+    plain = ModelRunner(model_path, block_size=16, num_blocks=2, dtype=torch.float32, decoder_loop=False)
+    expected = _logits(plain, ids)
+    rot = _rotated_runner(monkeypatch, model_path, block_size=16, num_blocks=2, dtype=torch.float32,
+                          decoder_loop=False)
     m = rot.model
     assert m.lm_head is not None and not torch.equal(m.lm_head.weight, m.model.embed_tokens.weight)   # untied
     assert all(bool((norm.weight == 1).all()) for layer in m.model.layers
@@ -82,7 +90,6 @@ def test_rotated_model_gives_the_same_logits(model_path, monkeypatch):
 def test_rotation_keeps_the_logits_of_biased_and_untied_models(tmp_path, monkeypatch, arch, extra):
     """A tiny random checkpoint in fp32, its norm weights random too (they are folded into the
     linears): rotated, the runtime gives the logits it gave before."""
-    import engine.model_runner as model_runner
     from engine.model_runner import ModelRunner
     from tests.test_model_runtime import _tiny_checkpoint
 
@@ -95,14 +102,7 @@ def test_rotation_keeps_the_logits_of_biased_and_untied_models(tmp_path, monkeyp
     ids = list(range(3, 40))
     plain = ModelRunner(str(tmp_path), block_size=4, num_blocks=16)
     expected = _logits(plain, ids)
-    apply = model_runner.apply_quantization
-
-    def rotated_then_applied(model, method, **kw):
-        rotate_residual(model)
-        return apply(model, method, **kw)
-
-    monkeypatch.setattr(model_runner, "apply_quantization", rotated_then_applied)
-    got = _logits(ModelRunner(str(tmp_path), block_size=4, num_blocks=16), ids)
+    got = _logits(_rotated_runner(monkeypatch, str(tmp_path), block_size=4, num_blocks=16), ids)
     assert (got - expected).abs().max() < 1e-4 * max(1.0, float(expected.abs().max()))
 
 

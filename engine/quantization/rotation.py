@@ -142,18 +142,13 @@ class Rotation:
     blocks: tuple[torch.Tensor, ...] = ()     # float32 Hadamard blocks (entries +-1), orders multiplying to n
     dense: torch.Tensor | None = None         # float32 [n, n]: a random orthogonal Q
 
-    CHUNK_ROWS = 2048   # rows per pass of ``apply`` (576 columns: 4.7 MB of float32)
+    CHUNK_ROWS = 2048   # rows per ``apply`` in ``fold``: each chunk's passes stay in cache (576 columns: 4.7 MB of float32)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """x Q for x [R, n] float32 (float32 out; the blocks' +-1 products summed in float32, one
         division by sqrt(n))."""
         if self.dense is not None:
             return x @ self.dense.to(x.device)
-        if x.shape[0] > self.CHUNK_ROWS:   # row chunks: each one's passes stay in cache
-            out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-            for src, dst in zip(x.split(self.CHUNK_ROWS), out.split(self.CHUNK_ROWS)):
-                dst.copy_(self.apply(src))
-            return out
         y = x * self.signs.to(x.device)
         before, after = 1, self.n
         for b in self.blocks:   # y [R, before, m, after]: the block on the m axis, as one 2-D matmul
