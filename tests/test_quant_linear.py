@@ -208,6 +208,9 @@ def test_quantized_model_predicts_like_the_bf16_model(model_path, tokenizer, sha
         assert groups == {"self_attn.qkv_proj": 576, "self_attn.o_proj": 576, "mlp.gate_up_proj": 576,
                           "mlp.down_proj": 32}   # apply.INT8_ACT_GROUPS: one scale per token but for down_proj
         assert runner.model.head_method.group == 576   # (the residual stream rotated: engine/quantization/rotation.py)
+        layers = runner.model.model.layers   # rotated (rotation.py): every norm weight folded into the linears
+        assert all(bool((n.weight == 1).all()) for l in layers for n in (l.input_layernorm, l.post_attention_layernorm))
+        assert runner.model.lm_head is None   # the rotated head lives in head_method alone
     logits = runner.forward(chunk)
     agree = float((logits.argmax(-1) == base.argmax(-1)).float().mean())
     assert agree > 0.85 and rel_err(logits, base) < 0.25, (agree, rel_err(logits, base))
