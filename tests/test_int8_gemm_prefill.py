@@ -68,6 +68,29 @@ def test_offered_from_the_16_row_bucket_on(available):
         torch.ops.pdserve_int8p.w8a8_gemm_large(torch.randn(4, 96).bfloat16(), lin.qweight, lin.weight_scale, 200, 48)
 
 
+def test_16_rows_prefer_the_decode_kernel_with_one_scale_per_token(available, monkeypatch):
+    """The quiet-machine preference at the 16-row bucket (what a load keeps unless another kernel
+    times 1.25x faster): the decode kernel where the activations take one scale per token (group =
+    in_features: its fp32 sums touched once a call), the blocked kernel where they take groups."""
+    import kernels.linear as linear
+
+    seen = {}
+
+    def fastest(kernels, in_features, dtype, device, rows, preferred=None, *args, **kw):
+        seen[rows] = preferred
+        return preferred if preferred in kernels else next(iter(kernels))
+
+    monkeypatch.setattr(linear, "_choice_cache", {})
+    monkeypatch.setattr(linear, "_fastest", fastest)
+    w = torch.randn(200, 96).bfloat16()
+    for group, middle in ((96, "w8a8_vnni"), (32, "w8a8_vnni_large")):
+        lin = Int8Linear(w, None, group=group)
+        assert lin.kernel_names == ("w8a8_vnni", middle, "w8a8_vnni_large"), group
+        assert seen[BUCKETS[1]] == middle
+        x = torch.randn(16, 96).bfloat16()
+        assert torch.equal(lin(x), lin.run_kernel("w8a8_vnni_large", x))   # either way the same bits
+
+
 def test_float32_out_is_the_bf16_output_widened(available):
     """out_dtype=float32 (the LM head's logits at 16 rows): the bf16 output's values widened, bit for
     bit, as the decode kernel's."""

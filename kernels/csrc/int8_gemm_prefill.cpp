@@ -1,5 +1,5 @@
 // INT8 linear layers from 5 rows on (kernels/linear.py's Int8Linear, kernel "w8a8_vnni_large": the
-// 16-row decode bucket and prefill): the same product, packed weight and numerics as
+// 16-row decode bucket where the activations take groups, and prefill): the same product, packed weight and numerics as
 // kernels/csrc/int8_gemm.cpp's w8a8_gemm (read its header: q + 128 uint8 tiles [N/16][K/4][16][4],
 // per-output-channel fp32 scales, activations quantized in the call per token and group of G
 // channels, the -128 sum(xq) start of each group's int32 sum, fp32 across groups in order, one
