@@ -59,7 +59,17 @@ tokens): +0.11% against +0.68% for the groups of before (qkv and gate_up 64, hea
 decode step 2-3% faster (Zen 4, 2 threads, A/B in one process, both build orders). down_proj keeps
 32: its inputs, past the SiLU, are not rotated; at 64 outside the six layers whose inputs carry
 the massive activations (2, 9, 10, 11, 28, 29 here: max/median channel amax 48-4,033, the others
-4-28) it cost +0.16% more (unrotated), for ~12% of its 16-row time."""
+4-28) it cost +0.16% more (unrotated), for ~12% of its 16-row time.
+
+Measured and not kept (2026-12-06, Zen 4, 2 threads): down_proj's input rotated as the model runs
+(QuaRot's online Hadamard: diag(signs) kron(H_12, H_128) / sqrt(1536) after the SiLU, a C++ fast
+Walsh-Hadamard transform and a 12 x 12 mix, its transpose folded into down_proj's weight in fp32)
+and then one scale per token there too. One scale per token alone ran the 16-row decode step
+3.5-6% faster (A/B in one process, both build orders), but the transform cost ~0.6-0.9 us a row
+(16 x 1536 bf16: 10-12 us a call on 2 threads), so the step came out -1% to +2.7% (build order
+decides the sign); and perplexity (8,192 tokens, six sign seeds) went from +0.22% / +0.11% to
++0.17-0.37% on the ShareGPT dev text and +0.17-0.58% on WikiText-2 (+0.43% for the seed best on
+dev). A transform fused into silu_mul at a fraction of that cost would be worth measuring again."""
 
 INT8_HEAD_GROUP = 0
 """Input channels per activation scale of the INT8 LM head (0: one scale per token), as
