@@ -458,14 +458,20 @@ def act_group(in_features: int) -> int:
     return ACT_GROUP if in_features % ACT_GROUP == 0 else in_features
 
 
+MIN_ACT_AMAX = 127 * torch.finfo(torch.float32).tiny
+"""The least activation-group amax given its own scale: amax / 127 stays a normal float and its
+inverse finite (the C++ kernels' kMinAmax, kernels/csrc/int8_activations.h)."""
+
+
 def quantize_int8_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q int8 [M, K], scale float32 [M, K / group]): dynamic, symmetric, per token
-    and per group of ``group`` channels, ``scale = amax(|x_group|) / 127`` (an all-zero group
-    gets 1), ``q = round(x / scale)`` (half to even), so ``|x - q * scale| <= scale / 2``."""
+    and per group of ``group`` channels, ``scale = amax(|x_group|) / 127`` (a group whose amax is
+    below MIN_ACT_AMAX, all-zero included, gets 1 and quantizes to zeros), ``q = round(x / scale)``
+    (half to even), so ``|x - q * scale| <= scale / 2`` elsewhere."""
     m, k = x.shape
     xg = x.float().view(m, k // group, group)
-    scale = xg.abs().amax(dim=2) / INT8_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    amax = xg.abs().amax(dim=2)
+    scale = torch.where(amax >= MIN_ACT_AMAX, amax / INT8_MAX, torch.ones_like(amax))
     return torch.round(xg / scale[:, :, None]).to(torch.int8).view(m, k), scale
 
 

@@ -68,6 +68,30 @@ def test_offered_from_the_16_row_bucket_on(available):
         torch.ops.pdserve_int8p.w8a8_gemm_large(torch.randn(4, 96).bfloat16(), lin.qweight, lin.weight_scale, 200, 48)
 
 
+def test_a_vanishing_group_quantizes_to_zeros_in_every_kernel(available):
+    """A group whose amax is below 127 x FLT_MIN (its scale would be subnormal and 1 / scale
+    infinite) quantizes to zeros, as an all-zero group: both kernels, every row position (the
+    decode kernel quantizes 4 rows at a time and the rest row by row), the Python reference too;
+    K = 0 is refused, not divided by."""
+    from kernels.linear import quantize_int8_per_group
+
+    gen = torch.Generator().manual_seed(3)
+    lin = Int8Linear(torch.randn(16, 64, generator=gen).bfloat16(), None, group=64)
+    for amax in (1e-37, 3e-38):   # (1 / (amax / 127) overflows float32 below ~3.7e-37)
+        row = torch.randn(64, generator=gen)
+        row = (row / row.abs().max() * amax).bfloat16()
+        x = row[None].expand(5, 64).contiguous()          # 4 rows quantized as a block, 1 alone
+        small = torch.ops.pdserve_int8.w8a8_gemm(x, lin.qweight, lin.weight_scale, 16, 64)
+        assert torch.equal(small, torch.ops.pdserve_int8p.w8a8_gemm_large(x, lin.qweight, lin.weight_scale, 16, 64))
+        assert all(torch.equal(small[0], small[i]) for i in range(5)), amax
+        assert float(small.float().abs().max()) < 1e-30, amax
+        q, scale = quantize_int8_per_group(x, 64)
+        assert bool((q.abs() <= 127).all()) and bool(torch.isfinite(scale).all())
+    with pytest.raises(RuntimeError, match="columns"):
+        torch.ops.pdserve_int8.w8a8_gemm(torch.empty(3, 0).bfloat16(), torch.empty(1, 0, 16, 4, dtype=torch.uint8),
+                                         torch.zeros(16), 16, 32)
+
+
 def test_16_rows_prefer_the_decode_kernel_with_one_scale_per_token(available, monkeypatch):
     """The quiet-machine preference at the 16-row bucket (what a load keeps unless another kernel
     times 1.25x faster): the decode kernel where the activations take one scale per token (group =

@@ -19,6 +19,12 @@
 
 namespace pdserve_int8 {
 
+// The least group amax given its own scale (amax / 127): 127 x FLT_MIN, so the scale is a normal
+// float and 1 / scale finite. A group below it (|x| < 1.5e-36 throughout, or all zero) takes scale
+// 1 and quantizes to zeros; with a subnormal scale 1 / scale overflowed to inf and every value
+// became -128 (row and block quantizers then disagreeing on the group's correction).
+constexpr float kMinAmax = 127.f * 1.17549435e-38f;
+
 // The packed-weight arguments every INT8 kernel takes (these two and int8_gemm_avx2.cpp), for
 // activations of k columns: packed uint8 [N/16, K/4, 16, 4] (kernels/linear.py pack_int8_gemm),
 // wscale fp32 [16 * tiles], n in the last tile, group a multiple of 32 dividing K.
@@ -26,7 +32,7 @@ inline void check_weight(int64_t k, const at::Tensor& packed, const at::Tensor& 
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 4 && packed.is_contiguous() &&
                   packed.scalar_type() == at::kByte, "packed must be a contiguous uint8 [N/16, K/4, 16, 4]");
   const int64_t tiles = packed.size(0);
-  TORCH_CHECK(k == 4 * packed.size(1), "x has ", k, " columns, the packed weight ", 4 * packed.size(1));
+  TORCH_CHECK(k > 0 && k == 4 * packed.size(1), "x has ", k, " columns, the packed weight ", 4 * packed.size(1));
   TORCH_CHECK(group > 0 && group % 32 == 0 && k % group == 0, "group must be a multiple of 32 dividing K = ", k,
               ", got ", group);
   TORCH_CHECK(n > 16 * (tiles - 1) && n <= 16 * tiles, "n does not match the packed weight's tiles");
@@ -70,7 +76,7 @@ inline void quantize_row(const at::BFloat16* x, int64_t k, int64_t group, int64_
     for (int64_t c = g * chunks; c < (g + 1) * chunks; ++c)
       vmax = _mm512_max_ps(vmax, _mm512_max_ps(_mm512_abs_ps(load(c, 0)), _mm512_abs_ps(load(c, 1))));
     const float amax = _mm512_reduce_max_ps(vmax);
-    const float scale = amax > 0.f ? amax / 127.f : 1.f;
+    const float scale = amax >= kMinAmax ? amax / 127.f : 1.f;
     p.sx[g * p.ldq + r] = scale;
     const __m512 inv = _mm512_set1_ps(1.f / scale);
     __m512i sum = _mm512_setzero_si512();
@@ -144,10 +150,10 @@ inline void quantize_block(const at::BFloat16* x, int64_t ldx, int rows, int64_t
       a = _mm512_max_epu16(a, _mm512_srli_epi32(a, 16));
       _mm_store_ps(inv + 4 * g, _mm512_castps512_ps128(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_permutexvar_epi32(lanes0, a), 16))));
     }
-    for (int64_t i = 0; i < 4 * gn; i += 16) {   // scale = amax / 127 (1 for an all-zero group), inv = 1 / scale
+    for (int64_t i = 0; i < 4 * gn; i += 16) {   // scale = amax / 127 (1 below kMinAmax), inv = 1 / scale
       const __mmask16 mask = 4 * gn - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (4 * gn - i)) - 1);
       const __m512 amax = _mm512_maskz_loadu_ps(mask, inv + i);
-      const __m512 scale = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(1.f),
+      const __m512 scale = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(amax, _mm512_set1_ps(kMinAmax), _CMP_GE_OQ), _mm512_set1_ps(1.f),
                                                 _mm512_div_ps(amax, _mm512_set1_ps(127.f)));
       _mm512_mask_storeu_ps(sx + 4 * g0 + i, mask, scale);
       _mm512_mask_storeu_ps(inv + i, mask, _mm512_div_ps(_mm512_set1_ps(1.f), scale));

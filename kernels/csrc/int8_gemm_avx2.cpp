@@ -80,8 +80,8 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
-// Row x [K] -> row r of p, as int8_activations.h's quantize_row: sx = amax / 127 (1 for an all-zero
-// group), xq = round(x * (1 / sx)) half to even (the default MXCSR mode), saturated to int8.
+// Row x [K] -> row r of p, as int8_activations.h's quantize_row: sx = amax / 127 (1 below
+// kMinAmax: an all-zero or vanishingly small group), xq = round(x * (1 / sx)) half to even (the default MXCSR mode), saturated to int8.
 template <typename T>
 inline void quantize_row(const T* x, int64_t k, int64_t group, int64_t r, const Rows& p) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -90,7 +90,7 @@ inline void quantize_row(const T* x, int64_t k, int64_t group, int64_t r, const 
     __m256 vmax = _mm256_setzero_ps();
     for (int64_t i = 0; i < group; i += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(load8(xg + i), abs_mask));
     const float amax = hmax(vmax);
-    const float scale = amax > 0.f ? amax / 127.f : 1.f;
+    const float scale = amax >= pdserve_int8::kMinAmax ? amax / 127.f : 1.f;
     p.sx[g * p.ldq + r] = scale;
     const __m256 inv = _mm256_set1_ps(1.f / scale);
     for (int64_t i = 0; i < group; i += 8) {
