@@ -83,6 +83,8 @@ def test_a_vanishing_group_quantizes_to_zeros_in_every_kernel(available):
         x = row[None].expand(5, 64).contiguous()          # 4 rows quantized as a block, 1 alone
         small = torch.ops.pdserve_int8.w8a8_gemm(x, lin.qweight, lin.weight_scale, 16, 64)
         assert torch.equal(small, torch.ops.pdserve_int8p.w8a8_gemm_large(x, lin.qweight, lin.weight_scale, 16, 64))
+        if "w8a8_avx2" in lin.kernel_choices:   # (its own row quantizer, the same rule)
+            assert torch.equal(small, lin.run_kernel("w8a8_avx2", x)), amax
         assert all(torch.equal(small[0], small[i]) for i in range(5)), amax
         assert float(small.float().abs().max()) < 1e-30, amax
         q, scale = quantize_int8_per_group(x, 64)

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -23,7 +24,7 @@ namespace pdserve_int8 {
 // float and 1 / scale finite. A group below it (|x| < 1.5e-36 throughout, or all zero) takes scale
 // 1 and quantizes to zeros; with a subnormal scale 1 / scale overflowed to inf and every value
 // became -128 (row and block quantizers then disagreeing on the group's correction).
-constexpr float kMinAmax = 127.f * 1.17549435e-38f;
+constexpr float kMinAmax = 127.f * std::numeric_limits<float>::min();
 
 // The packed-weight arguments every INT8 kernel takes (these two and int8_gemm_avx2.cpp), for
 // activations of k columns: packed uint8 [N/16, K/4, 16, 4] (kernels/linear.py pack_int8_gemm),
