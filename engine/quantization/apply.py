@@ -61,15 +61,27 @@ decode step 2-3% faster (Zen 4, 2 threads, A/B in one process, both build orders
 the massive activations (2, 9, 10, 11, 28, 29 here: max/median channel amax 48-4,033, the others
 4-28) it cost +0.16% more (unrotated), for ~12% of its 16-row time.
 
-Measured and not kept (2026-12-06, Zen 4, 2 threads): down_proj's input rotated as the model runs
-(QuaRot's online Hadamard: diag(signs) kron(H_12, H_128) / sqrt(1536) after the SiLU, a C++ fast
-Walsh-Hadamard transform and a 12 x 12 mix, its transpose folded into down_proj's weight in fp32)
-and then one scale per token there too. One scale per token alone ran the 16-row decode step
-3.5-6% faster (A/B in one process, both build orders), but the transform cost ~0.6-0.9 us a row
-(16 x 1536 bf16: 10-12 us a call on 2 threads), so the step came out -1% to +2.7% (build order
-decides the sign); and perplexity (8,192 tokens, six sign seeds) went from +0.22% / +0.11% to
-+0.17-0.37% on the ShareGPT dev text and +0.17-0.58% on WikiText-2 (+0.43% for the seed best on
-dev). A transform fused into silu_mul at a fraction of that cost would be worth measuring again."""
+Measured and not kept (2026-12-06, Zen 4, 2 threads; perplexity on 8,192 tokens each of the
+ShareGPT dev text / WikiText-2 against bf16, where groups of 32 give +0.22% / +0.11%), all to give
+down_proj one scale per token too, which alone ran the 16-row decode step 3.5-6% faster:
+- down_proj's input rotated as the model runs (QuaRot's online Hadamard: diag(signs) kron(H_12,
+  H_128) / sqrt(1536) after the SiLU, its transpose folded into down_proj's weight in fp32). As a
+  separate C++ op it cost 10-12 us a call (16 x 1536 bf16), the step -1% to +2.7% (build order
+  decides the sign). Fused into silu_mul (each row rotated in L1 as it is written, in-lane
+  shuffles instead of full permutes) it still cost ~1 us a row on one core: the 12 x 12 mix alone
+  is 1,152 fma a row (0.31 us at Zen 4's one zmm fma a cycle) and the 4 in-vector butterfly
+  stages ~8 cycles a vector; silu_mul went 12 -> 23 us a call and the step did not gain (A/B in
+  one process, both orders: groups of 32 10.00 / 9.28 ms, rotated 10.05 / 9.43). Perplexity,
+  sign seeds 0-3: +0.17-0.38% / +0.17-0.53%. Cheaper transforms do no better: kron([[2, 2, -1],
+  [2, -1, 2], [-1, 2, 2]] / 3, H_512) +0.07-0.33% / +0.18-0.50% (0.85 us a row), H_512 blocks
+  alone +0.09-0.51% / +0.46-0.63%.
+- Unrotated, one scale per token: +0.65% / +1.17%; in all layers but the six that carry the
+  massive activations +0.51% / +0.89%; with SmoothQuant's scales (Xiao et al. 2023) folded into
+  up_proj's rows (free at run time; channel amax calibrated on calibration.txt) alpha 0.5 +0.93% /
+  +1.75%, 0.7 +8.6% / +8.8%; each layer's 16 (64) calibrated largest channels taken out of the
+  quantization into a bf16 product beside it (LLM.int8()'s decomposition, static) +0.53% / +0.79%
+  (+0.38% / +0.63%). Even after the outliers are gone (amax max/median 3-6), one scale over 1,536
+  channels loses more than groups of 32 do."""
 
 INT8_HEAD_GROUP = 0
 """Input channels per activation scale of the INT8 LM head (0: one scale per token), as
