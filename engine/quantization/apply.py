@@ -74,7 +74,10 @@ down_proj one scale per token too, which alone ran the 16-row decode step 3.5-6%
   one process, both orders: groups of 32 10.00 / 9.28 ms, rotated 10.05 / 9.43). Perplexity,
   sign seeds 0-3: +0.17-0.38% / +0.17-0.53%. Cheaper transforms do no better: kron([[2, 2, -1],
   [2, -1, 2], [-1, 2, 2]] / 3, H_512) +0.07-0.33% / +0.18-0.50% (0.85 us a row), H_512 blocks
-  alone +0.09-0.51% / +0.46-0.63%.
+  alone +0.09-0.51% / +0.46-0.63%, and mixes across the row's 96 16-lane vectors only (no
+  shuffles; seeds 0-2): H_12 x H_8 +0.07-0.28% / +0.25-0.57%, that 3 x 3 block x H_32 +0.20-0.31%
+  / +0.26-0.48% (~0.3 us a row by its op count: at best ~2% off the step, for twice or more the
+  perplexity cost of groups of 32).
 - Unrotated, one scale per token: +0.65% / +1.17%; in all layers but the six that carry the
   massive activations +0.51% / +0.89%; with SmoothQuant's scales (Xiao et al. 2023) folded into
   up_proj's rows (free at run time; channel amax calibrated on calibration.txt) alpha 0.5 +0.93% /
