@@ -466,13 +466,17 @@ inverse finite (the C++ kernels' kMinAmax, kernels/csrc/int8_activations.h)."""
 def quantize_int8_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q int8 [M, K], scale float32 [M, K / group]): dynamic, symmetric, per token
     and per group of ``group`` channels, ``scale = amax(|x_group|) / 127`` (a group whose amax is
-    below MIN_ACT_AMAX, all-zero included, gets 1 and quantizes to zeros), ``q = round(x / scale)``
-    (half to even), so ``|x - q * scale| <= scale / 2`` elsewhere."""
+    below MIN_ACT_AMAX, all-zero included, gets 1 and quantizes to zeros; one holding an inf or a
+    NaN gets NaN, with q 0 there, so its row's products are NaN, as in the C++ kernels' group_scale),
+    ``q = round(x / scale)`` (half to even), so ``|x - q * scale| <= scale / 2`` elsewhere."""
     m, k = x.shape
     xg = x.float().view(m, k // group, group)
+    finite = torch.isfinite(xg).all(dim=2)
+    xg = torch.where(finite[:, :, None], xg, torch.zeros(()))   # (a poisoned group: q 0)
     amax = xg.abs().amax(dim=2)
     scale = torch.where(amax >= MIN_ACT_AMAX, amax / INT8_MAX, torch.ones_like(amax))
-    return torch.round(xg / scale[:, :, None]).to(torch.int8).view(m, k), scale
+    q = torch.round(xg / scale[:, :, None]).to(torch.int8).view(m, k)
+    return q, torch.where(finite, scale, torch.full((), float("nan")))
 
 
 def pack_int8_gemm(q: torch.Tensor) -> torch.Tensor:

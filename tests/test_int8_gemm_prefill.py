@@ -94,6 +94,30 @@ def test_a_vanishing_group_quantizes_to_zeros_in_every_kernel(available):
                                          torch.zeros(16), 16, 32)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_an_inf_or_nan_input_poisons_its_row_alone_in_every_kernel(available, bad):
+    """A row holding an inf or a NaN gives NaN outputs (its group's scale is NaN), in every kernel
+    and at every row position (the decode kernel quantizes 4 rows at a time and the rest row by
+    row; the blocked kernel 4 at a time; the AVX2 kernel and the Python reference their own way),
+    and every other row of the call is what it is without that row. Before, the kernels gave
+    finite values that differed between them (a NaN was dropped from the amax or turned into
+    -128 by the conversion)."""
+    gen = torch.Generator().manual_seed(4)
+    for group in (32, 96):
+        lin = Int8Linear(torch.randn(40, 96, generator=gen).bfloat16(), None, group=group)
+        clean = torch.randn(9, 96, generator=gen).bfloat16()
+        for row in (0, 3, 4, 8):   # the first of a block, its last, the next block's first, a row alone
+            x = clean.clone()
+            x[row, 40] = bad
+            for name in lin.kernel_choices:
+                out = lin.run_kernel(name, x)
+                assert bool(out[row].isnan().all()), (name, group, row)
+                others = [r for r in range(9) if r != row]
+                assert torch.equal(out[others], lin.run_kernel(name, clean)[others]), (name, group, row)
+                if name != "dequant_dense":   # (the reference multiplies in another order)
+                    assert torch.equal(out[others], lin.run_kernel("w8a8_vnni", clean)[others]), (name, group, row)
+
+
 def test_16_rows_prefer_the_decode_kernel_with_one_scale_per_token(available, monkeypatch):
     """The quiet-machine preference at the 16-row bucket (what a load keeps unless another kernel
     times 1.25x faster): the decode kernel where the activations take one scale per token (group =

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -25,6 +26,16 @@ namespace pdserve_int8 {
 // 1 and quantizes to zeros; with a subnormal scale 1 / scale overflowed to inf and every value
 // became -128 (row and block quantizers then disagreeing on the group's correction).
 constexpr float kMinAmax = 127.f * std::numeric_limits<float>::min();
+
+// A group's scale from its amax: amax / 127, 1 below kMinAmax, NaN for a group holding an inf or
+// a NaN (its amax is then inf or NaN, taken on the bits: they order above every finite value).
+// Every kernel's sum is a sum of sx times the group's products, so that row's outputs are NaN,
+// whatever kernel and row position: a poisoned row stays visibly poisoned (bf16's product gives
+// inf or NaN there), never finite values that depend on the kernel, and the other rows are untouched.
+inline float group_scale(float amax) {
+  if (!(amax <= std::numeric_limits<float>::max())) return std::numeric_limits<float>::quiet_NaN();
+  return amax >= kMinAmax ? amax / 127.f : 1.f;
+}
 
 // The packed-weight arguments every INT8 kernel takes (these two and int8_gemm_avx2.cpp), for
 // activations of k columns: packed uint8 [N/16, K/4, 16, 4] (kernels/linear.py pack_int8_gemm),
@@ -73,11 +84,15 @@ inline void quantize_row(const at::BFloat16* x, int64_t k, int64_t group, int64_
     return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
   };
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 vmax = _mm512_setzero_ps();
+    // amax on the bf16 bits, as quantize_block takes it (|x| orders as bits & 0x7FFF; inf and NaN above all)
+    __m512i vmax = _mm512_setzero_si512();
     for (int64_t c = g * chunks; c < (g + 1) * chunks; ++c)
-      vmax = _mm512_max_ps(vmax, _mm512_max_ps(_mm512_abs_ps(load(c, 0)), _mm512_abs_ps(load(c, 1))));
-    const float amax = _mm512_reduce_max_ps(vmax);
-    const float scale = amax >= kMinAmax ? amax / 127.f : 1.f;
+      vmax = _mm512_max_epu16(vmax, _mm512_and_si512(_mm512_loadu_si512(row + c * kChunk), _mm512_set1_epi16(0x7FFF)));
+    vmax = _mm512_max_epu32(_mm512_and_si512(vmax, _mm512_set1_epi32(0xFFFF)), _mm512_srli_epi32(vmax, 16));
+    const uint32_t amax_bits = _mm512_reduce_max_epu32(vmax) << 16;
+    float amax;
+    std::memcpy(&amax, &amax_bits, sizeof amax);
+    const float scale = group_scale(amax);
     p.sx[g * p.ldq + r] = scale;
     const __m512 inv = _mm512_set1_ps(1.f / scale);
     __m512i sum = _mm512_setzero_si512();
@@ -151,11 +166,13 @@ inline void quantize_block(const at::BFloat16* x, int64_t ldx, int rows, int64_t
       a = _mm512_max_epu16(a, _mm512_srli_epi32(a, 16));
       _mm_store_ps(inv + 4 * g, _mm512_castps512_ps128(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_permutexvar_epi32(lanes0, a), 16))));
     }
-    for (int64_t i = 0; i < 4 * gn; i += 16) {   // scale = amax / 127 (1 below kMinAmax), inv = 1 / scale
+    for (int64_t i = 0; i < 4 * gn; i += 16) {   // scale = group_scale(amax), inv = 1 / scale
       const __mmask16 mask = 4 * gn - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (4 * gn - i)) - 1);
       const __m512 amax = _mm512_maskz_loadu_ps(mask, inv + i);
-      const __m512 scale = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(amax, _mm512_set1_ps(kMinAmax), _CMP_GE_OQ), _mm512_set1_ps(1.f),
-                                                _mm512_div_ps(amax, _mm512_set1_ps(127.f)));
+      __m512 scale = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(amax, _mm512_set1_ps(kMinAmax), _CMP_GE_OQ), _mm512_set1_ps(1.f),
+                                          _mm512_div_ps(amax, _mm512_set1_ps(127.f)));
+      const __mmask16 finite = _mm512_cmp_ps_mask(amax, _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_LE_OQ);
+      scale = _mm512_mask_blend_ps(finite, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()), scale);
       _mm512_mask_storeu_ps(sx + 4 * g0 + i, mask, scale);
       _mm512_mask_storeu_ps(inv + i, mask, _mm512_div_ps(_mm512_set1_ps(1.f), scale));
     }

@@ -73,25 +73,30 @@ inline __m256 load8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
-inline float hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-  return _mm_cvtss_f32(m);
+// The largest of 8 non-negative int32 lanes (float bits) as the float those bits are.
+inline float hmax_bits(__m256i v) {
+  __m128i m = _mm_max_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0x4E));
+  m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0xB1));
+  const int32_t bits = _mm_cvtsi128_si32(m);
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
 }
 
-// Row x [K] -> row r of p, as int8_activations.h's quantize_row: sx = amax / 127 (1 below
-// kMinAmax: an all-zero or vanishingly small group), xq = round(x * (1 / sx)) half to even (the
+// Row x [K] -> row r of p, as int8_activations.h's quantize_row: sx = group_scale(amax) (amax /
+// 127; 1 below kMinAmax: an all-zero or vanishingly small group; NaN with an inf or NaN in it), xq = round(x * (1 / sx)) half to even (the
 // default MXCSR mode), saturated to int8.
 template <typename T>
 inline void quantize_row(const T* x, int64_t k, int64_t group, int64_t r, const Rows& p) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int64_t g = 0; g < k / group; ++g) {
     const T* xg = x + g * group;
-    __m256 vmax = _mm256_setzero_ps();
-    for (int64_t i = 0; i < group; i += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(load8(xg + i), abs_mask));
-    const float amax = hmax(vmax);
-    const float scale = amax >= pdserve_int8::kMinAmax ? amax / 127.f : 1.f;
+    // amax on the fp32 bits (|x| orders as bits & 0x7FFFFFFF; inf and NaN above all, as int8_activations.h)
+    __m256i vmax = _mm256_setzero_si256();
+    for (int64_t i = 0; i < group; i += 8)
+      vmax = _mm256_max_epi32(vmax, _mm256_castps_si256(_mm256_and_ps(load8(xg + i), abs_mask)));
+    const float scale = pdserve_int8::group_scale(hmax_bits(vmax));
     p.sx[g * p.ldq + r] = scale;
     const __m256 inv = _mm256_set1_ps(1.f / scale);
     for (int64_t i = 0; i < group; i += 8) {
