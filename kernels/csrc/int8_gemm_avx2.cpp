@@ -85,8 +85,8 @@ inline float hmax_bits(__m256i v) {
 }
 
 // Row x [K] -> row r of p, as int8_activations.h's quantize_row: sx = group_scale(amax) (amax /
-// 127; 1 below kMinAmax: an all-zero or vanishingly small group; NaN with an inf or NaN in it), xq = round(x * (1 / sx)) half to even (the
-// default MXCSR mode), saturated to int8.
+// 127; 1 below kMinAmax: an all-zero or vanishingly small group; NaN with an inf or NaN in it),
+// xq = round(x * (1 / sx)) half to even (the default MXCSR mode), saturated to int8.
 template <typename T>
 inline void quantize_row(const T* x, int64_t k, int64_t group, int64_t r, const Rows& p) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
