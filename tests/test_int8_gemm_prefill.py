@@ -121,7 +121,8 @@ def test_an_inf_or_nan_input_poisons_its_row_alone_in_every_kernel(available, ba
 def test_16_rows_prefer_the_decode_kernel_with_one_scale_per_token(available, monkeypatch):
     """The quiet-machine preference at the 16-row bucket (what a load keeps unless another kernel
     times 1.25x faster): the decode kernel where the activations take one scale per token (group =
-    in_features: its fp32 sums touched once a call), the blocked kernel where they take groups."""
+    in_features: its fp32 sums touched once a call), the blocked kernel where they take groups; on
+    a CPU with AMX-INT8, the AMX kernel either way."""
     import kernels.linear as linear
 
     seen = {}
@@ -133,7 +134,9 @@ def test_16_rows_prefer_the_decode_kernel_with_one_scale_per_token(available, mo
     monkeypatch.setattr(linear, "_choice_cache", {})
     monkeypatch.setattr(linear, "_fastest", fastest)
     w = torch.randn(200, 96).bfloat16()
+    amx = "w8a8_amx" in Int8Linear(w, None)._candidates()
     for group, middle in ((96, "w8a8_vnni"), (32, "w8a8_vnni_large")):
+        middle = "w8a8_amx" if amx else middle
         lin = Int8Linear(w, None, group=group)
         assert lin.kernel_names == ("w8a8_vnni", middle, "w8a8_vnni_large"), group
         assert seen[BUCKETS[1]] == middle
