@@ -4,8 +4,10 @@ decoding on the decode worker (= agg without it: verification is exact); and wit
 cache (disagg FP8 = agg FP8: the decode worker attends over the prefill worker's very bytes).
 
 Near-tie rule: batches of different shapes may round differently, so where two runs diverge the
-reference model must rank both tokens as its top two, within NEAR_TIE_NATS of each other
-(FP8_KV_NEAR_TIE_NATS with an FP8 cache, see there); anything else fails.
+reference model must rank both tokens among its top TOP_K, each within NEAR_TIE_NATS of its best
+(FP8_KV_NEAR_TIE_NATS with an FP8 cache, see there); anything else fails. (Not "its top two": a
+three-way near-tie, seen with an FP8 cache on an AMX host, 2026-12-07, lets two runs pick its second
+and third tokens.)
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ MODEL = "smollm2-135m-instruct"
 N_PROMPTS = 16
 MAX_TOKENS = 16
 NEAR_TIE_NATS = 0.02
+TOP_K = 5
 FP8_KV_NEAR_TIE_NATS = QUANTIZED_NEAR_TIE_NATS
 """With an FP8 cache a batch-shape rounding difference in K or V that crosses an E4M3 rounding
 boundary moves that value by a whole E4M3 step (1/8 to 1/16 of it), not by a bf16 ulp: the same
@@ -84,28 +87,32 @@ def reference():
     """The offline engine, loaded only if two runs diverge (to check the near-tie rule)."""
     cache = {}
 
-    def top2(ids: list[int]):
+    def top(ids: list[int]):
         if "llm" not in cache:
             from engine.llm import LLM
 
             cache["llm"] = LLM(MODEL)
         from proto.sampling import SamplingParams
 
-        out = cache["llm"].generate([ids], SamplingParams(temperature=0, max_tokens=1, logprobs=2))[0]
+        out = cache["llm"].generate([ids], SamplingParams(temperature=0, max_tokens=1, logprobs=TOP_K))[0]
         return out.logprobs[0].top
 
-    return top2
+    return top
 
 
-def assert_greedy_equal(ref_top2, prompt: list[int], a: list[int], b: list[int],
+def assert_greedy_equal(ref_top, prompt: list[int], a: list[int], b: list[int],
                         near_tie: float = NEAR_TIE_NATS) -> None:
+    """a == b, or where they first diverge both tokens are near-ties of the reference's best:
+    among ``ref_top(prompt + a[:k])`` ((token, log-probability) pairs, best first), each within
+    ``near_tie`` nats of the first."""
     k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if k is None:
         assert len(a) == len(b), (a, b)
         return
-    (t1, l1), (t2, l2) = ref_top2(prompt + a[:k])
-    assert {a[k], b[k]} == {t1, t2} and abs(l1 - l2) < near_tie, \
-        f"diverged at token {k}: {a[k]} vs {b[k]}, reference top-2 {(t1, l1)}, {(t2, l2)}"
+    top = ref_top(prompt + a[:k])
+    logprob, best = dict(top), top[0][1]
+    assert all(t in logprob and best - logprob[t] < near_tie for t in (a[k], b[k])), \
+        f"diverged at token {k}: {a[k]} vs {b[k]}, reference top-{len(top)} {top}"
 
 
 @pytest.mark.parametrize("transport", ["tcp", "torch", "nixl"])
@@ -178,13 +185,13 @@ def test_fp8_kv_disaggregated_greedy_equals_aggregated_fp8_kv(ray_session):
                                   **fp8), "disagg")
     llm = {}
 
-    def top2(ids: list[int]):
+    def top(ids: list[int]):
         if "llm" not in llm:
             from engine.llm import LLM
 
             llm["llm"] = LLM(MODEL, kv_cache_dtype="fp8_e4m3")
         from proto.sampling import SamplingParams
 
-        return llm["llm"].generate([ids], SamplingParams(temperature=0, max_tokens=1, logprobs=2))[0].logprobs[0].top
+        return llm["llm"].generate([ids], SamplingParams(temperature=0, max_tokens=1, logprobs=TOP_K))[0].logprobs[0].top
 
-    _assert_all_equal(top2, agg, disagg, FP8_KV_NEAR_TIE_NATS)
+    _assert_all_equal(top, agg, disagg, FP8_KV_NEAR_TIE_NATS)
