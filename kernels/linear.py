@@ -527,8 +527,8 @@ class Int8Linear(MeasuredLinear):
     bucket on: kernels/csrc/int8_gemm_prefill.cpp, the same tiles and the same result bit for bit,
     blocked 4 rows x 48 columns in registers, the activations quantized 4 rows at a time),
     ``w8a8_amx`` (kernels/csrc/int8_gemm_amx.cpp,
-    CPUs with AMX-INT8: the same tiles through TDPBSUD, the same result bit for bit, for 5-128
-    rows), ``w8a8_avx2`` (kernels/csrc/int8_gemm_avx2.cpp, fp32 or bf16 on any AVX2 CPU: the same
+    CPUs with AMX-INT8: the same tiles through TDPBSUD, the same result bit for bit, from 5 rows;
+    with one scale per token, 32-row blocks from 32 rows), ``w8a8_avx2`` (kernels/csrc/int8_gemm_avx2.cpp, fp32 or bf16 on any AVX2 CPU: the same
     tiles and, for bf16, the same result bit for bit; on Zen 1, fp32 model, 2 threads: the decode
     step 2.8x faster than fp32 at batch 1, 1.47x at 16, 1.1x at 32, fp32 through oneDNN) and ``dequant_dense`` (the reference and the path elsewhere:
     the activations quantized and dequantized, the weight widened to the model dtype, the dense
@@ -614,9 +614,14 @@ class Int8Linear(MeasuredLinear):
         # pass over each weight line ran the 16-row decode step 2.4-4.5% faster than the blocked
         # kernel (Zen 4, 2 threads, A/B in one process, both build orders; the 121 linears alone,
         # cold: 1.05x at 16 rows, 1.02x at 32, equal at 64, 0.97x at 128).
+        # With AMX-INT8 and one scale per token, w8a8_amx at 512 rows too (its blocked path: 2.5-3.6x
+        # w8a8_vnni_large on the decoder's shapes at 512 rows, Emerald Rapids, 2 threads); with
+        # groups the blocked VNNI kernel stays (a group's int32 sums leave the tiles 48 times at K =
+        # 1536: AMX 865 us against 725 for down_proj at 512 rows).
         per_token = self.group == self.in_features
         middle = "w8a8_amx" if self._amx else "w8a8_vnni" if per_token else "w8a8_vnni_large"
-        preferred = (("w8a8_vnni", middle, "w8a8_vnni_large") if self._vnni
+        large = "w8a8_amx" if self._amx and per_token else "w8a8_vnni_large"
+        preferred = (("w8a8_vnni", middle, large) if self._vnni
                      else ("w8a8_avx2",) * 3 if self._avx2 else None)
         self._choose(self._candidates(), self.dtype, q.device, preferred, decode_only,
                      first_bucket={"w8a8_vnni_large": 1, **({"dequant_dense": 2} if self.tiled else {})})

@@ -26,7 +26,7 @@ def runner(request, model_path) -> ModelRunner:
         pytest.skip(f"the kernel library cannot be built here: {reason}")
     quantization, kv_cache_dtype, dtype = request.param
     # Every linear takes its quiet-machine kernel (linear.py's `preferred`: bf16 small_gemm /
-    # small_gemm (amx_gemm on AMX CPUs) / onednn_packed, int8 w8a8_vnni (w8a8_amx at 16 rows on AMX
+    # small_gemm (amx_gemm on AMX CPUs) / onednn_packed, int8 w8a8_vnni (w8a8_amx from 16 rows on AMX
     # CPUs) or w8a8_avx2; fp32: F.linear at 1 row, MKL's
     # prepacked kernel at 16, oneDNN's at 512, so the test covers the three): on a loaded host the load-time timing can pick
     # int8's dequant_dense at 16 rows, a kernel the C++ loop does not call (that bucket then runs

@@ -167,16 +167,19 @@ def test_the_avx2_kernel_equals_the_vnni_kernel_bit_for_bit(available):
 def test_the_amx_kernel_equals_the_vnni_kernel_bit_for_bit(available):
     """The same quantize_row, exact int32 group sums (TDPBSUD: signed activations by the stored q + 128,
     the offset cancelled by the same correction) and the same fp32 fma per group: the same bits.
-    Groups of 32 take tiles 32 deep, of 64 and more 64; 17-130 rows take passes (ragged ones padded)."""
+    Groups of 32 take tiles 32 deep, of 64 and more 64; 17-130 rows take passes (ragged ones padded);
+    from 32 rows one scale per token takes the blocked path (32-row blocks, panels of two column
+    tiles, an odd tile count's last panel of one; K = 96 in tiles 32 deep)."""
     if "w8a8_amx" not in Int8Linear(torch.zeros(16, 32, dtype=torch.bfloat16), None)._candidates():
         assert not {"amx_int8", "amx_tile"} <= cpu_flags(), "AMX-INT8 CPU but the AMX int8 kernel is not available"
         pytest.skip("no AMX-INT8 on this CPU")
     gen = torch.Generator().manual_seed(11)
-    for n, k, group in [(1000, 576, 32), (200, 1536, 32), (3072, 576, 64), (72, 576, 192), (49, 576, 576)]:
+    for n, k, group in [(1000, 576, 32), (200, 1536, 32), (3072, 576, 64), (72, 576, 192), (49, 576, 576),
+                        (1000, 576, 576), (40, 96, 96)]:
         lin = Int8Linear(torch.randn(n, k, generator=gen).bfloat16(), None, group=group)
-        x = torch.randn(130, k, generator=gen)
+        x = torch.randn(300, k, generator=gen)
         x[:, 5] *= 100
-        for m in (1, 4, 5, 16, 17, 20, 33, 64, 100, 130):
+        for m in (1, 4, 5, 16, 17, 20, 31, 32, 33, 64, 100, 130, 300):
             xm = x[:m].bfloat16()
             assert torch.equal(lin.run_kernel("w8a8_vnni", xm), lin.run_kernel("w8a8_amx", xm)), (n, k, group, m)
 

@@ -122,7 +122,7 @@ def test_16_rows_prefer_the_decode_kernel_with_one_scale_per_token(available, mo
     """The quiet-machine preference at the 16-row bucket (what a load keeps unless another kernel
     times 1.25x faster): the decode kernel where the activations take one scale per token (group =
     in_features: its fp32 sums touched once a call), the blocked kernel where they take groups; on
-    a CPU with AMX-INT8, the AMX kernel either way."""
+    a CPU with AMX-INT8, the AMX kernel either way, and at 512 rows too with one scale per token."""
     import kernels.linear as linear
 
     seen = {}
@@ -137,8 +137,9 @@ def test_16_rows_prefer_the_decode_kernel_with_one_scale_per_token(available, mo
     amx = "w8a8_amx" in Int8Linear(w, None)._candidates()
     for group, middle in ((96, "w8a8_vnni"), (32, "w8a8_vnni_large")):
         middle = "w8a8_amx" if amx else middle
+        large = "w8a8_amx" if amx and group == 96 else "w8a8_vnni_large"
         lin = Int8Linear(w, None, group=group)
-        assert lin.kernel_names == ("w8a8_vnni", middle, "w8a8_vnni_large"), group
+        assert lin.kernel_names == ("w8a8_vnni", middle, large), group
         assert seen[BUCKETS[1]] == middle
         x = torch.randn(16, 96).bfloat16()
         assert torch.equal(lin(x), lin.run_kernel("w8a8_vnni_large", x))   # either way the same bits

@@ -121,8 +121,11 @@ inline void quantize_row(const at::BFloat16* x, int64_t k, int64_t group, int64_
 // this runs serially before the call's parallel part. (Rows past `rows` are masked loads, and the
 // 4 rows' maxima named registers: with an array and a branch per load the compiler kept the
 // maxima on the stack, and the amax pass alone took 2.8 us at K = 1536.)
+//
+// rows_out (int8_gemm_amx.cpp): xq written instead row-major, row r's K bytes at rows_out + r ldr
+// (all 4 rows: zeros past `rows`), the AMX A-tile layout; sx and corr as above (p.xq unused).
 inline void quantize_block(const at::BFloat16* x, int64_t ldx, int rows, int64_t k, int64_t group,
-                           const QuantizedRows& p) {
+                           const QuantizedRows& p, int8_t* rows_out = nullptr, int64_t ldr = 0) {
   const uint16_t* row[4];
   __mmask32 live[4];   // all 32 lanes of row r's loads, or none past `rows` (masked loads: no branches)
   for (int r = 0; r < 4; ++r) {
@@ -142,6 +145,9 @@ inline void quantize_block(const at::BFloat16* x, int64_t ldx, int rows, int64_t
   const __m512i lo_idx = _mm512_set_epi32(23, 21, 7, 5, 22, 20, 6, 4, 19, 17, 3, 1, 18, 16, 2, 0);
   const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
   const __m512i ones = _mm512_set1_epi8(1);
+  // rows_out: dwords (lo 0-15, hi 16-31) of rows 0 and 1 (then 2 and 3), each row's 8 quads in order
+  const __m512i rows01 = _mm512_set_epi32(29, 25, 21, 17, 13, 9, 5, 1, 28, 24, 20, 16, 12, 8, 4, 0);
+  const __m512i rows23 = _mm512_add_epi32(rows01, _mm512_set1_epi32(2));
   constexpr int64_t kBatch = 16;   // groups whose 4 rows' scales are one vector division
   alignas(64) float inv[kBatch * 4];
   int32_t* const xq = p.xq;   // (locals: stores through the int32 pointers could alias p's fields)
@@ -190,8 +196,17 @@ inline void quantize_block(const at::BFloat16* x, int64_t ldx, int rows, int64_t
         const __m512i ab = _mm512_shuffle_epi8(_mm512_packs_epi16(w[0], w[1]), order);
         const __m512i cd = _mm512_shuffle_epi8(_mm512_packs_epi16(w[2], w[3]), order);
         const __m512i lo = _mm512_permutex2var_epi32(ab, lo_idx, cd), hi = _mm512_permutex2var_epi32(ab, hi_idx, cd);
-        _mm512_storeu_si512(xq + c * kChunk, lo);   // quads 8c .. 8c+3 of the 4 rows, then 8c+4 .. 8c+7
-        _mm512_storeu_si512(xq + c * kChunk + 16, hi);
+        if (rows_out == nullptr) {
+          _mm512_storeu_si512(xq + c * kChunk, lo);   // quads 8c .. 8c+3 of the 4 rows, then 8c+4 .. 8c+7
+          _mm512_storeu_si512(xq + c * kChunk + 16, hi);
+        } else {   // row r's 32 bytes: its quads 0-3 (dwords r, 4 + r, .. of lo), then 4-7 (of hi)
+          const __m512i r01 = _mm512_permutex2var_epi32(lo, rows01, hi), r23 = _mm512_permutex2var_epi32(lo, rows23, hi);
+          int8_t* dst = rows_out + c * kChunk;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_castsi512_si256(r01));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + ldr), _mm512_extracti64x4_epi64(r01, 1));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * ldr), _mm512_castsi512_si256(r23));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 3 * ldr), _mm512_extracti64x4_epi64(r23, 1));
+        }
         sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum, ones, lo), ones, hi);   // dword 4 i + r: 4 of row r's values
       }
       sum = _mm512_add_epi32(sum, _mm512_shuffle_i32x4(sum, sum, 0x4E));

@@ -1,6 +1,6 @@
-// INT8 linear layers for decode-sized batches (5-128 rows) on AMX tiles (kernels/linear.py's
-// Int8Linear, kernel "w8a8_amx"): the product of int8_gemm.cpp's w8a8_gemm, from the same packed
-// weight, with the same activation quantization (int8_activations.h quantize_row), bit for bit:
+// INT8 linear layers from 5 rows on AMX tiles (kernels/linear.py's Int8Linear, kernel
+// "w8a8_amx"): the product of int8_gemm.cpp's w8a8_gemm, from the same packed weight, with the same
+// activation quantization (int8_activations.h, quantize_block's values), bit for bit:
 //
 //   out[m, n] = wscale[n] * sum_g sx[m, g] * sum_{k in g} xq[m, k] q[n, k]
 //
@@ -12,17 +12,29 @@
 // Layout: the packed weight of w8a8_gemm, q + 128 as bytes [N/16][K/4][16][4], is AMX's B layout
 // for 8-bit products: the quads k = 4i..4i+3 of 16 columns are one 64-byte line, a B tile is
 // kstep/4 such lines. TDPBSUD multiplies signed A bytes (xq) by unsigned B bytes (q + 128); the
-// offset is cancelled exactly in each group's int32 sum by quantize_row's corr (-128 sum xq), as in
-// w8a8_gemm. The quantized activations are copied from quantize_row's quad-transposed layout into
-// rows (an A tile is up to 16 rows of kstep consecutive bytes).
+// offset is cancelled exactly in each group's int32 sum by the quantizer's corr (-128 sum xq), as
+// in w8a8_gemm. The activations are quantized 4 rows at a time by quantize_block, written straight
+// into rows (an A tile is up to 16 rows of kstep consecutive bytes), on every thread from 64 rows.
 //
-// Blocking: a unit is NT = 4 column tiles; C tiles 0-3 hold one group's int32 sums for 16 x 64
-// outputs, tile 4 the activations, tiles 5-7 the weights. kstep = 64 bytes of k (one tile's depth)
-// where the group is a multiple of 64, else 32. After each group the C tiles are stored to an L1
-// block, offset by corr, converted and accumulated into fp32 sums (an fma by sx, as w8a8_gemm), so
-// the epilogue per group costs about as much as the tile products: groups of 64 and wider
-// (engine/quantization/apply.py's INT8_ACT_GROUPS) keep it small. Rows beyond 16 take passes of
-// equal size over each unit while it is in cache; the next units stream into L2 meanwhile.
+// Decode-sized calls (5-31 rows, and groups at any count): a unit is NT = 4 column tiles; C tiles
+// 0-3 hold one group's int32 sums for 16 x 64 outputs, tile 4 the activations, tiles 5-7 the
+// weights. kstep = 64 bytes of k (one tile's depth) where the group is a multiple of 64, else 32.
+// After each group the C tiles are stored to an L1 block, offset by corr, converted and
+// accumulated into fp32 sums (an fma by sx, as w8a8_gemm), so the epilogue per group costs about
+// as much as the tile products: groups of 64 and wider (engine/quantization/apply.py's
+// INT8_ACT_GROUPS) keep it small. Rows beyond 16 take passes of equal size over each unit while it
+// is in cache; the next units stream into L2 meanwhile.
+//
+// One scale per token from 32 rows (a prefill, a 32-row decode): large_gemm's 32 x 32 blocks, two
+// A and two B tiles feeding four products, the weight panel in L1 across every row block. At 512
+// rows, 2 threads, Emerald Rapids (2026-12-07): o_proj 349 -> 95 us, qkv 426 -> 131, gate_up 816
+// -> 404 (1.45x faster than bf16 through oneDNN's AMX kernel there, 544); a 512-token prefill of
+// the INT8 model 78.6 -> 76.7 ms (its AMX calls 290 -> 239 us on average), the 32-row decode step
+// 1.12-1.19x -> 1.23x bf16's. The quantizer in rows (before: quantize_row into the quad layout,
+// then copied into rows, one thread): a 16 x 1536 call in groups of 32 13.8 -> 6.9 us on one tile.
+// Measured and not kept (branch old/int8-amx-grouped-s36): groups at 16 rows with the epilogue of
+// one group overlapping the next group's products (two sets of C tiles: down_proj hot 40 -> 33
+// us, the decode step unchanged), 3-tile units where they split 2 threads more evenly (noise).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -71,9 +83,10 @@ void configure_tiles(int rows, int kstep) {
 // The quantized activations of one call, rows [0, ldq) (rows past M are zeros).
 struct Activations {
   const int8_t* xq;    // [ldq][K] int8, row-major
-  const float* sx;     // sx[g * ldq + m] (quantize_row's layout)
+  const float* sx;     // quantize_block's layout per 4 rows: sx[m / 4][g][m % 4] (at(m, g))
   const int32_t* corr;
-  int64_t ldq, k;
+  int64_t groups, k;
+  int64_t at(int64_t m, int64_t g) const { return (m >> 2) * groups * 4 + g * 4 + (m & 3); }
 };
 
 // One pass of `rows` rows (from row r0) over one unit of NT column tiles: out[r0 + r, col0 + j]
@@ -122,8 +135,8 @@ void unit_pass(const Activations& a, int64_t r0, int rows, int64_t group, int64_
     if constexpr (NT > 2) _tile_stored(2, isum + 32, 64 * 4);
     if constexpr (NT > 3) _tile_stored(3, isum + 48, 64 * 4);
     for (int r = 0; r < rows; ++r) {   // w8a8_gemm's arithmetic: fma(float(corr + sum), sx, acc)
-      const __m512i c = _mm512_set1_epi32(a.corr[g * a.ldq + r0 + r]);
-      const __m512 s = _mm512_set1_ps(a.sx[g * a.ldq + r0 + r]);
+      const __m512i c = _mm512_set1_epi32(a.corr[a.at(r0 + r, g)]);
+      const __m512 s = _mm512_set1_ps(a.sx[a.at(r0 + r, g)]);
       for (int t = 0; t < NT; ++t) {
         const __m512i v = _mm512_add_epi32(_mm512_load_si512(isum + r * 64 + 16 * t), c);
         float* f = facc + r * 64 + 16 * t;
@@ -146,6 +159,98 @@ void unit_pass(const Activations& a, int64_t r0, int rows, int64_t group, int64_
 using UnitPass = void (*)(const Activations&, int64_t, int, int64_t, int64_t, const uint8_t*, int64_t, const uint8_t*,
                           const float*, int32_t*, float*, at::BFloat16*, int64_t, int64_t, int64_t);
 constexpr UnitPass kUnitPass[kNT + 1] = {nullptr, &unit_pass<1>, &unit_pass<2>, &unit_pass<3>, &unit_pass<4>};
+
+// One scale per token and many rows (a prefill): large_gemm. Each thread takes panels of two
+// column tiles and runs every 32-row block of activations past its panel while the panel stays
+// in L1: per k step two A tiles (rows 0-15, 16-31) and two B tiles feed four TDPBSUDs into C tiles
+// 0-3 (a 32 x 32 block of int32 sums, tile 2 i + j: rows 16 i.., columns 16 j..), where unit_pass
+// loads a B tile for each product. One epilogue per block: corr added, the fp32 product with sx,
+// then wscale, as unit_pass computes them (the same bits). A tiles 4-5, B tiles 6-7.
+constexpr int64_t kLargeRows = 32;         // from here on (at 16 rows the passes win: one block, half of it padding)
+constexpr int64_t kQuantizeGrain = 16;     // 4-row blocks a thread quantizes (64 rows; fewer stay serial)
+
+void configure_large(int kstep) {
+  TileConfig c;
+  for (int t = 0; t < 4; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  for (int t = 4; t < 6; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = static_cast<uint16_t>(kstep);
+  }
+  for (int t = 6; t < 8; ++t) {
+    c.rows[t] = static_cast<uint8_t>(kstep / 4);
+    c.colsb[t] = 64;
+  }
+  pdserve_amx::load_tile_config(c);
+}
+
+// The 32-row block from row r0 times the panel of NT (1 or 2) column tiles at w (tile_stride bytes
+// apart), for one scale per token: out[r0 .. min(r0 + 32, m), col0 .. col0 + 16 NT) (clipped at
+// n), with unit_pass's arithmetic: bf16(fma(float(corr + sum), sx, 0) * wscale). isum: 32 x 32
+// int32. (With groups, each group's sums would leave the tiles for an fp32 accumulator as in
+// unit_pass: measured at 512 rows, down_proj's groups of 32 took 807 us against 730 for
+// w8a8_vnni_large, and the fp32 accumulator cost the one-group shapes 12-27%.)
+template <int NT>
+void large_block(const Activations& a, int64_t r0, int64_t m, int64_t kstep, const uint8_t* w, int64_t tile_stride,
+                 const float* wscale, int32_t* isum, at::BFloat16* out, int64_t ldo, int64_t col0, int64_t n) {
+  _tile_zero(0);
+  _tile_zero(2);
+  if constexpr (NT > 1) {
+    _tile_zero(1);
+    _tile_zero(3);
+  }
+  const int8_t* x = a.xq + r0 * a.k;
+  for (int64_t k0 = 0; k0 < a.k; k0 += kstep) {
+    _tile_loadd(4, x + k0, a.k);
+    _tile_loadd(5, x + 16 * a.k + k0, a.k);
+    _tile_loadd(6, w + k0 * 16, 64);
+    _tile_dpbsud(0, 4, 6);
+    _tile_dpbsud(2, 5, 6);
+    if constexpr (NT > 1) {
+      _tile_loadd(7, w + tile_stride + k0 * 16, 64);
+      _tile_dpbsud(1, 4, 7);
+      _tile_dpbsud(3, 5, 7);
+    }
+  }
+  _tile_stored(0, isum, 32 * 4);
+  _tile_stored(2, isum + 16 * 32, 32 * 4);
+  if constexpr (NT > 1) {
+    _tile_stored(1, isum + 16, 32 * 4);
+    _tile_stored(3, isum + 16 * 32 + 16, 32 * 4);
+  }
+  const int rows = static_cast<int>(std::min<int64_t>(32, m - r0));
+  for (int t = 0; t < NT; ++t) {
+    const int64_t col = col0 + 16 * t;
+    if (col >= n) break;
+    const __m512 ws = _mm512_loadu_ps(wscale + col);
+    const __mmask16 mask = n - col >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - col)) - 1);
+    for (int r = 0; r < rows; ++r) {
+      const __m512i v = _mm512_add_epi32(_mm512_load_si512(isum + r * 32 + 16 * t), _mm512_set1_epi32(a.corr[a.at(r0 + r, 0)]));
+      const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(a.sx[a.at(r0 + r, 0)]), _mm512_setzero_ps());
+      _mm256_mask_storeu_epi16(out + (r0 + r) * ldo + col, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(f, ws)));
+    }
+  }
+}
+
+// out [m, n] from the quantized rows [0, ldq) (ldq a multiple of 32) of one group (a.groups == 1).
+void large_gemm(const Activations& a, int64_t m, int64_t ldq, int64_t kstep, const uint8_t* wp,
+                int64_t tiles, const float* wscale, at::BFloat16* out, int64_t ldo, int64_t n) {
+  const int64_t tile_stride = a.k * 16, panels = (tiles + 1) / 2;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    alignas(64) int32_t isum[32 * 32];
+    configure_large(static_cast<int>(kstep));
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* w = wp + 2 * p * tile_stride;
+      const bool pair = 2 * p + 1 < tiles;
+      for (int64_t r0 = 0; r0 < ldq && r0 < m; r0 += 32)
+        (pair ? &large_block<2> : &large_block<1>)(a, r0, m, kstep, w, tile_stride, wscale, isum, out, ldo, 32 * p,
+                                                   n);
+    }
+    _tile_release();
+  });
+}
 #endif
 
 // out [M, N] bf16 = x [M, K] bf16 (rows contiguous, or copied so) times the packed int8 weight
@@ -161,27 +266,37 @@ at::Tensor w8a8_gemm_amx(const at::Tensor& x_in, const at::Tensor& packed, const
 #if defined(PDSERVE_AMX_INT8)
   TORCH_CHECK(amx_permitted(), "the OS refused this process AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)");
   if (m == 0) return out;
+  const int64_t groups = k / group, kstep = k % 64 == 0 && group % 64 == 0 ? 64 : 32;
+  const bool large = groups == 1 && m >= kLargeRows;
   const int64_t passes = (m + kMaxRows - 1) / kMaxRows;
   const int64_t per_pass = (m + passes - 1) / passes;   // 20 rows: two passes of 10, not 16 + 4
-  const int64_t ldq = passes * per_pass, groups = k / group, k4 = k / 4;
-  // quantize_row's layout ([K/4][ldq] quads), then rows; rows past m stay zero so that every pass
-  // has the one tile shape configured (their sums are computed and not stored)
-  std::vector<int32_t> quads(k4 * ldq, 0), rows_q(ldq * k4, 0), corr(groups * ldq, 0);
-  std::vector<float> sx(groups * ldq, 0.f);
-  {
-    const pdserve_int8::QuantizedRows q{quads.data(), sx.data(), corr.data(), ldq};
-    alignas(64) int8_t tmp[pdserve_int8::kChunk];
-    const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-    for (int64_t r = 0; r < m; ++r) pdserve_int8::quantize_row(xp + r * x.stride(0), k, group, r, q, tmp);
-    for (int64_t kq = 0; kq < k4; ++kq)
-      for (int64_t r = 0; r < m; ++r) rows_q[r * k4 + kq] = quads[kq * ldq + r];
-  }
-  const Activations a{reinterpret_cast<const int8_t*>(rows_q.data()), sx.data(), corr.data(), ldq, k};
-  const int64_t kstep = group % 64 == 0 ? 64 : 32;
-  const int64_t units = (tiles + kNT - 1) / kNT, tile_stride = k * 16;
+  // rows quantized: the passes' (ragged ones padded), or large_gemm's blocks of 32
+  const int64_t ldq = large ? (m + 31) / 32 * 32 : passes * per_pass;
+  // quantize_block's values 4 rows at a time, written row-major (AMX's A layout); rows past m are
+  // zeros (every pass then has the one tile shape configured; their sums are computed, not stored)
+  const int64_t blocks = (ldq + 3) / 4;
+  std::vector<int8_t> rows_q(blocks * 4 * k);
+  std::vector<int32_t> corr(blocks * groups * 4);
+  std::vector<float> sx(blocks * groups * 4);
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const int64_t ldx = x.stride(0);
+  // (a prefill's rows on every thread: 512 x 576 take ~25 us on one)
+  at::parallel_for(0, blocks, kQuantizeGrain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int rows = static_cast<int>(std::clamp<int64_t>(m - 4 * b, 0, 4));
+      const pdserve_int8::QuantizedRows q{nullptr, sx.data() + b * groups * 4, corr.data() + b * groups * 4, 4};
+      pdserve_int8::quantize_block(xp + (rows > 0 ? 4 * b : 0) * ldx, ldx, rows, k, group, q, rows_q.data() + 4 * b * k, k);
+    }
+  });
+  const Activations a{rows_q.data(), sx.data(), corr.data(), groups, k};
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = wscale.data_ptr<float>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  if (large) {
+    large_gemm(a, m, ldq, kstep, wp, tiles, sp, op, out.stride(0), n);
+    return out;
+  }
+  const int64_t units = (tiles + kNT - 1) / kNT, tile_stride = k * 16;
   const int64_t ldo = out.stride(0);
   // Threads only with 128 KB of weight or more for each (w8a8_gemm's grain).
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (tile_stride * kNT));
