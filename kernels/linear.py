@@ -408,7 +408,7 @@ def _with_float32(kernel: Kernel, float32: Kernel) -> Kernel:
 def _packed_bf16_kernel(op, packed: torch.Tensor, n: int, float32: bool = False) -> Kernel:
     """x [M, K] bf16 -> op(out [M, n], x, packed, n): the call of both kernels on the packed weight,
     out bf16; float32: with the ``float32`` variant (out float32, the same values: small_gemm
-    writes either)."""
+    and its AMX kernel write either)."""
     def run(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         x = x if x.stride(-1) == 1 else x.contiguous()
         out = torch.empty(x.shape[0], n, dtype=dtype)
@@ -429,7 +429,7 @@ def _amx_gemm_kernel(packed: torch.Tensor, shape: torch.Size) -> Kernel | None:
     n, k = shape
     if k % 32 or not torch.ops.pdserve_amx.available():
         return None
-    return _packed_bf16_kernel(torch.ops.pdserve_amx.small_gemm_bf16_amx, packed, n)
+    return _packed_bf16_kernel(torch.ops.pdserve_amx.small_gemm_bf16_amx, packed, n, float32=True)
 
 
 # -- int8 -----------------------------------------------------------------------------------------
@@ -660,7 +660,8 @@ class Int8Linear(MeasuredLinear):
                                                        lambda x: large(x, q, scale, n, group, out_dtype=torch.float32))
         if self._amx:
             amx = torch.ops.pdserve_int8_amx.w8a8_gemm
-            kernels["w8a8_amx"] = lambda x: amx(x, q, scale, n, group)
+            kernels["w8a8_amx"] = _with_float32(lambda x: amx(x, q, scale, n, group),
+                                                lambda x: amx(x, q, scale, n, group, out_dtype=torch.float32))
         if self._avx2:
             avx2 = torch.ops.pdserve_int8_avx2.w8a8_gemm
             kernels["w8a8_avx2"] = lambda x: avx2(x, q, scale, n, group)

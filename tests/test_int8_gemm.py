@@ -184,6 +184,25 @@ def test_the_amx_kernel_equals_the_vnni_kernel_bit_for_bit(available):
             assert torch.equal(lin.run_kernel("w8a8_vnni", xm), lin.run_kernel("w8a8_amx", xm)), (n, k, group, m)
 
 
+def test_amx_float32_out_is_the_bf16_output_widened(available):
+    """The AMX kernel's out_dtype=float32: its bf16 output widened, bit for bit, through the passes
+    (5-31 rows, and groups) and the 32-row blocks (one scale per token from 32 rows)."""
+    if "w8a8_amx" not in Int8Linear(torch.zeros(16, 32, dtype=torch.bfloat16), None)._candidates():
+        assert not {"amx_int8", "amx_tile"} <= cpu_flags(), "AMX-INT8 CPU but the AMX int8 kernel is not available"
+        pytest.skip("no AMX-INT8 on this CPU")
+    gen = torch.Generator().manual_seed(13)
+    op = torch.ops.pdserve_int8_amx.w8a8_gemm
+    for group in (576, ACT_GROUP):
+        lin = Int8Linear(torch.randn(1000, 576, generator=gen).bfloat16(), None, group=group)
+        for m in (5, 16, 17, 40, 130):
+            x = torch.randn(m, 576, generator=gen).bfloat16()
+            got = op(x, lin.qweight, lin.weight_scale, 1000, group, out_dtype=torch.float32)
+            assert got.dtype == torch.float32 and got.shape == (m, 1000)
+            assert torch.equal(got, op(x, lin.qweight, lin.weight_scale, 1000, group).float()), (group, m)
+    with pytest.raises(RuntimeError, match="out_dtype must be bfloat16 or float32"):
+        op(x, lin.qweight, lin.weight_scale, 1000, group, out_dtype=torch.float16)
+
+
 def test_float32_out_is_the_bf16_output_widened(available):
     """out_dtype=float32 (the LM head's logits): the bf16 output's values widened, bit for bit, tiny
     outputs included (flushed alike); another out_dtype is refused naming the ones allowed."""

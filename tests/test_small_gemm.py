@@ -138,6 +138,19 @@ def test_amx_two_threads_give_the_same_result(amx):
         assert torch.equal(one, two), m
 
 
+def test_amx_float32_out_is_the_bf16_output_widened(amx):
+    """The AMX kernel's float32 variant (the LM head's logits at 5-128 rows): its bf16 output's
+    values widened as they are stored, bit for bit, partial tiles and ragged passes included."""
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(1000, 576, generator=gen).bfloat16()
+    kernel = _amx(w)
+    for m in (1, 5, 16, 17, 40, 130):
+        x = torch.randn(m, 576, generator=gen).bfloat16()
+        got = kernel.float32(x)
+        assert got.dtype == torch.float32 and got.shape == (m, 1000)
+        assert torch.equal(got, kernel(x).float()), m
+
+
 def test_amx_applies_only_to_a_k_of_whole_tiles(amx):
     """K must be a multiple of 32 (one tile's k depth): the kernel is not offered otherwise, and the
     op refuses such a weight with a message saying so."""

@@ -124,7 +124,7 @@ const c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Te
   return h;
 }
 
-// The INT8 kernels' schema: (x, packed, wscale, n, group) -> out; the AVX-512 VNNI ones also take
+// The INT8 kernels' schema: (x, packed, wscale, n, group) -> out; the AVX-512 VNNI and AMX ones also take
 // out_dtype (float32 for the LM head's logits; the decoder's linears keep bf16, the default).
 using Int8Gemm = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t);
 using Int8GemmOut = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
@@ -145,8 +145,8 @@ const c10::TypedOperatorHandle<Int8Gemm>& w8a8_gemm_avx2() {   // int8_gemm_avx2
   return h;
 }
 
-const c10::TypedOperatorHandle<Int8Gemm>& w8a8_gemm_amx() {   // int8_gemm_amx.cpp, for CPUs with AMX-INT8
-  static const auto h = find("pdserve_int8_amx::w8a8_gemm").typed<Int8Gemm>();
+const c10::TypedOperatorHandle<Int8GemmOut>& w8a8_gemm_amx() {   // int8_gemm_amx.cpp, for CPUs with AMX-INT8
+  static const auto h = find("pdserve_int8_amx::w8a8_gemm").typed<Int8GemmOut>();
   return h;
 }
 
@@ -179,7 +179,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor* t, const int64_t* d)
       y = w8a8_gemm_large().call(x_in, t[0], t[1], n, group, std::nullopt);
       break;
     case kW8A8Amx:
-      y = w8a8_gemm_amx().call(x_in, t[0], t[1], n, group);
+      y = w8a8_gemm_amx().call(x_in, t[0], t[1], n, group, std::nullopt);
       break;
     case kW8A8Avx2:
       y = w8a8_gemm_avx2().call(x_in, t[0], t[1], n, group);

@@ -1,14 +1,16 @@
 // The output rows of the decode-sized GEMM kernels (small_gemm.cpp, int8_gemm.cpp,
-// int8_gemm_prefill.cpp): bf16, each rounded once from the kernel's fp32 sum, or those same bf16
-// values widened to fp32. Why fp32: the LM head's logits are wanted in fp32 (the sampler's softmax
-// and log-probabilities), and widening the bf16 logits took a second pass over [rows, vocab] (16
-// rows: 1.5 MB read, 3 MB written, 0.2-0.23 ms of a 10.5 ms int8 decode step, timed inside the step
-// on the Zen 4 host, 2026-12-06). Why the bf16 values rather than the unrounded sums: the head's
-// kernel is chosen per batch-size bucket by timing (kernels/linear.py), and oneDNN's, the AMX ones
-// and F.linear give bf16 only; unrounded sums from some kernels would make a row's logits, and so a
-// greedy token near a tie, depend on the batch it ran in and on the timing (a break-it pass found 3
-// argmax changes in 64 rows between a bf16 and an unrounded head). Rounded, every kernel's logits
-// are forward(x).float() bit for bit (subnormals flushed as vcvtneps2bf16 flushes them).
+// int8_gemm_prefill.cpp, and the AMX ones, small_gemm_amx.cpp and int8_gemm_amx.cpp): bf16, each
+// rounded once from the kernel's fp32 sum, or those same bf16 values widened to fp32. Why fp32:
+// the LM head's logits are wanted in fp32 (the sampler's softmax and log-probabilities), and
+// widening the bf16 logits took a second pass over [rows, vocab] (16 rows: 1.5 MB read, 3 MB
+// written, 0.2-0.23 ms of a 10.5 ms int8 decode step, timed inside the step on the Zen 4 host,
+// 2026-12-06; 0.21-0.27 ms of 8-11 ms on the AMX host, 2026-12-07). Why the bf16 values rather
+// than the unrounded sums: the head's kernel is chosen per batch-size bucket by timing
+// (kernels/linear.py), and oneDNN's and F.linear give bf16 only; unrounded sums from some kernels
+// would make a row's logits, and so a greedy token near a tie, depend on the batch it ran in and
+// on the timing (a break-it pass found 3 argmax changes in 64 rows between a bf16 and an unrounded
+// head). Rounded, every kernel's logits are forward(x).float() bit for bit (subnormals flushed as
+// vcvtneps2bf16 flushes them).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -43,9 +43,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "amx_tiles.h"
+#include "gemm_output.h"
 #include "int8_activations.h"
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -96,7 +98,7 @@ struct Activations {
 template <int NT>
 void unit_pass(const Activations& a, int64_t r0, int rows, int64_t group, int64_t kstep, const uint8_t* w,
                int64_t tile_stride, const uint8_t* next, const float* wscale, int32_t* isum, float* facc,
-               at::BFloat16* out, int64_t ldo, int64_t col0, int64_t n) {
+               const pdserve_gemm_out::OutRows& out, int64_t col0, int64_t n) {
   std::memset(facc, 0, sizeof(float) * kMaxRows * 64);
   const int8_t* x = a.xq + r0 * a.k;
   const int64_t groups = a.k / group, steps = group / kstep, lines = kstep / 4;
@@ -149,15 +151,12 @@ void unit_pass(const Activations& a, int64_t r0, int rows, int64_t group, int64_
     if (col >= n) break;
     const __m512 s = _mm512_loadu_ps(wscale + col);
     const __mmask16 mask = n - col >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - col)) - 1);
-    for (int r = 0; r < rows; ++r) {
-      const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(facc + r * 64 + 16 * t), s));
-      _mm256_mask_storeu_epi16(out + (r0 + r) * ldo + col, mask, v);
-    }
+    for (int r = 0; r < rows; ++r) out.store(r0 + r, col, mask, _mm512_mul_ps(_mm512_load_ps(facc + r * 64 + 16 * t), s));
   }
 }
 
 using UnitPass = void (*)(const Activations&, int64_t, int, int64_t, int64_t, const uint8_t*, int64_t, const uint8_t*,
-                          const float*, int32_t*, float*, at::BFloat16*, int64_t, int64_t, int64_t);
+                          const float*, int32_t*, float*, const pdserve_gemm_out::OutRows&, int64_t, int64_t);
 constexpr UnitPass kUnitPass[kNT + 1] = {nullptr, &unit_pass<1>, &unit_pass<2>, &unit_pass<3>, &unit_pass<4>};
 
 // One scale per token and many rows (a prefill): large_gemm. Each thread takes panels of two
@@ -194,7 +193,7 @@ void configure_large(int kstep) {
 // w8a8_vnni_large, and the fp32 accumulator cost the one-group shapes 12-27%.)
 template <int NT>
 void large_block(const Activations& a, int64_t r0, int64_t m, int64_t kstep, const uint8_t* w, int64_t tile_stride,
-                 const float* wscale, int32_t* isum, at::BFloat16* out, int64_t ldo, int64_t col0, int64_t n) {
+                 const float* wscale, int32_t* isum, const pdserve_gemm_out::OutRows& out, int64_t col0, int64_t n) {
   _tile_zero(0);
   _tile_zero(2);
   if constexpr (NT > 1) {
@@ -229,14 +228,14 @@ void large_block(const Activations& a, int64_t r0, int64_t m, int64_t kstep, con
     for (int r = 0; r < rows; ++r) {
       const __m512i v = _mm512_add_epi32(_mm512_load_si512(isum + r * 32 + 16 * t), _mm512_set1_epi32(a.corr[a.at(r0 + r, 0)]));
       const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(a.sx[a.at(r0 + r, 0)]), _mm512_setzero_ps());
-      _mm256_mask_storeu_epi16(out + (r0 + r) * ldo + col, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(f, ws)));
+      out.store(r0 + r, col, mask, _mm512_mul_ps(f, ws));
     }
   }
 }
 
 // out [m, n] from the quantized rows [0, ldq) (ldq a multiple of 32) of one group (a.groups == 1).
 void large_gemm(const Activations& a, int64_t m, int64_t ldq, int64_t kstep, const uint8_t* wp,
-                int64_t tiles, const float* wscale, at::BFloat16* out, int64_t ldo, int64_t n) {
+                int64_t tiles, const float* wscale, const pdserve_gemm_out::OutRows& out, int64_t n) {
   const int64_t tile_stride = a.k * 16, panels = (tiles + 1) / 2;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     alignas(64) int32_t isum[32 * 32];
@@ -245,8 +244,7 @@ void large_gemm(const Activations& a, int64_t m, int64_t ldq, int64_t kstep, con
       const uint8_t* w = wp + 2 * p * tile_stride;
       const bool pair = 2 * p + 1 < tiles;
       for (int64_t r0 = 0; r0 < ldq && r0 < m; r0 += 32)
-        (pair ? &large_block<2> : &large_block<1>)(a, r0, m, kstep, w, tile_stride, wscale, isum, out, ldo, 32 * p,
-                                                   n);
+        (pair ? &large_block<2> : &large_block<1>)(a, r0, m, kstep, w, tile_stride, wscale, isum, out, 32 * p, n);
     }
     _tile_release();
   });
@@ -256,13 +254,13 @@ void large_gemm(const Activations& a, int64_t m, int64_t ldq, int64_t kstep, con
 // out [M, N] bf16 = x [M, K] bf16 (rows contiguous, or copied so) times the packed int8 weight
 // [N/16, K/4, 16, 4] uint8 (kernels/linear.py pack_int8_gemm) with wscale fp32 [16 * tiles] and
 // activation groups of `group` channels (a multiple of 32 dividing K): w8a8_gemm's schema and
-// result. Errors (RuntimeError, the reason): arguments that do not match (int8_activations.h), a
+// result (out_dtype float32: the same bf16 values widened, the LM head's logits, gemm_output.h). Errors (RuntimeError, the reason): arguments that do not match (int8_activations.h), a
 // build without AMX-INT8, an OS that refuses the process AMX state.
 at::Tensor w8a8_gemm_amx(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& wscale, int64_t n,
-                         int64_t group) {
+                         int64_t group, std::optional<at::ScalarType> out_dtype) {
   const at::Tensor x = pdserve_int8::checked_input(x_in, packed, wscale, n, group);
   const int64_t m = x.size(0), k = x.size(1), tiles = packed.size(0);
-  at::Tensor out = at::empty({m, n}, x.options());
+  at::Tensor out = at::empty({m, n}, x.options().dtype(pdserve_gemm_out::out_dtype(out_dtype)));
 #if defined(PDSERVE_AMX_INT8)
   TORCH_CHECK(amx_permitted(), "the OS refused this process AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)");
   if (m == 0) return out;
@@ -291,13 +289,12 @@ at::Tensor w8a8_gemm_amx(const at::Tensor& x_in, const at::Tensor& packed, const
   const Activations a{rows_q.data(), sx.data(), corr.data(), groups, k};
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = wscale.data_ptr<float>();
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const pdserve_gemm_out::OutRows op = pdserve_gemm_out::out_rows(out);
   if (large) {
-    large_gemm(a, m, ldq, kstep, wp, tiles, sp, op, out.stride(0), n);
+    large_gemm(a, m, ldq, kstep, wp, tiles, sp, op, n);
     return out;
   }
   const int64_t units = (tiles + kNT - 1) / kNT, tile_stride = k * 16;
-  const int64_t ldo = out.stride(0);
   // Threads only with 128 KB of weight or more for each (w8a8_gemm's grain).
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (tile_stride * kNT));
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
@@ -315,7 +312,7 @@ at::Tensor w8a8_gemm_amx(const at::Tensor& x_in, const at::Tensor& packed, const
       for (int64_t r0 = 0; r0 < m; r0 += per_pass) {
         const int rows = static_cast<int>(std::min<int64_t>(per_pass, m - r0));
         kUnitPass[count](a, r0, rows, group, kstep, w, tile_stride, r0 == 0 ? next : nullptr, sp, isum, facc, op,
-                         ldo, 16 * t0, n);
+                         16 * t0, n);
       }
     }
     _tile_release();
@@ -338,7 +335,7 @@ bool available() {
 }  // namespace
 
 TORCH_LIBRARY(pdserve_int8_amx, m) {
-  m.def("w8a8_gemm(Tensor x, Tensor packed, Tensor wscale, int n, int group=32) -> Tensor");
+  m.def("w8a8_gemm(Tensor x, Tensor packed, Tensor wscale, int n, int group=32, ScalarType? out_dtype=None) -> Tensor");
   m.def("available() -> bool", &available);
 }
 

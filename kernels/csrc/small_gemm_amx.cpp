@@ -34,6 +34,7 @@
 #endif
 
 #include "amx_tiles.h"
+#include "gemm_output.h"
 
 namespace {
 
@@ -67,7 +68,7 @@ void configure_tiles(int rows) {
 // or a later pass reading this unit from cache). scratch: 16 x 64 fp32.
 template <int NT>
 void unit_pass(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t tile_stride, int64_t kblocks,
-               const at::BFloat16* next, float* scratch, at::BFloat16* out, int64_t ldo, int64_t col0, int64_t n,
+               const at::BFloat16* next, float* scratch, const pdserve_gemm_out::OutRows& out, int64_t col0, int64_t n,
                int rows) {
   _tile_zero(0);
   if constexpr (NT > 1) _tile_zero(1);
@@ -106,19 +107,19 @@ void unit_pass(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_
     for (int64_t c = 0; c < cols; c += 16) {
       const int64_t left = cols - c;
       const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-      const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(scratch + r * 64 + c));
-      _mm256_mask_storeu_epi16(out + r * ldo + col0 + c, mask, v);
+      out.store(r, col0 + c, mask, _mm512_loadu_ps(scratch + r * 64 + c));
     }
   }
 }
 
 using UnitPass = void (*)(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, int64_t, const at::BFloat16*,
-                          float*, at::BFloat16*, int64_t, int64_t, int64_t, int);
+                          float*, const pdserve_gemm_out::OutRows&, int64_t, int64_t, int);
 constexpr UnitPass kUnitPass[kNT + 1] = {nullptr, &unit_pass<1>, &unit_pass<2>, &unit_pass<3>, &unit_pass<4>};
 #endif
 
 // out [M, N] bf16 <- x [M, K] bf16 (rows contiguous) times the packed weight [ceil(N/16), K/2, 16, 2]
-// (kernels/linear.py pack_small_gemm). K % 32 == 0. Errors: a shape or dtype that does not match,
+// (kernels/linear.py pack_small_gemm). K % 32 == 0. An fp32 out takes the same bf16 values widened
+// (the LM head's logits in one pass: gemm_output.h). Errors: a shape or dtype that does not match,
 // a build without AMX, or an OS that refuses the process AMX state (RuntimeError, the reason).
 void small_gemm_bf16_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
@@ -129,8 +130,8 @@ void small_gemm_bf16_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor&
   TORCH_CHECK(k == 2 * k2, "x has ", k, " columns, the packed weight ", 2 * k2);
   TORCH_CHECK(k % 32 == 0, "the AMX kernel needs K a multiple of 32, got K = ", k);
   TORCH_CHECK(n > 16 * (tiles - 1) && n <= 16 * tiles, "n does not match the packed weight's tiles");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n && out.stride(1) == 1 &&
-                  out.scalar_type() == at::kBFloat16, "out must be bf16 [M, N], rows contiguous");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n, "out must be [M, N]");
+  const pdserve_gemm_out::OutRows rows_out = pdserve_gemm_out::out_rows(out);
 #if defined(PDSERVE_AMX)
   TORCH_CHECK(amx_permitted(), "the OS refused this process AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)");
   if (m == 0) return;
@@ -149,8 +150,6 @@ void small_gemm_bf16_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor&
   }
   const int64_t units = (tiles + kNT - 1) / kNT, tile_stride = k2 * 32, kblocks = k / 32;
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const int64_t ldo = out.stride(0);
   // Threads only with enough weight for each (a hand-off costs more than a 100 KB matmul).
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (tile_stride * 2 * kNT));
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
@@ -167,7 +166,7 @@ void small_gemm_bf16_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor&
       for (int64_t r0 = 0; r0 < m; r0 += per_pass) {
         const int rows = static_cast<int>(std::min<int64_t>(per_pass, m - r0));
         kUnitPass[count](xp + r0 * ldx, ldx, w, tile_stride, kblocks, r0 == 0 ? next : nullptr, scratch,
-                         op + r0 * ldo, ldo, 16 * t0, n, rows);
+                         rows_out.from_row(r0), 16 * t0, n, rows);
       }
     }
     _tile_release();
