@@ -103,16 +103,18 @@ def test_an_inf_or_nan_input_poisons_its_row_alone_in_every_kernel(available, ba
     finite values that differed between them (a NaN was dropped from the amax or turned into
     -128 by the conversion)."""
     gen = torch.Generator().manual_seed(4)
-    for group in (32, 96):
+    for group, rows in ((32, 9), (96, 9), (96, 40)):   # 40 rows, one scale per token: AMX's 32-row blocks
         lin = Int8Linear(torch.randn(40, 96, generator=gen).bfloat16(), None, group=group)
-        clean = torch.randn(9, 96, generator=gen).bfloat16()
-        for row in (0, 3, 4, 8):   # the first of a block, its last, the next block's first, a row alone
+        clean = torch.randn(rows, 96, generator=gen).bfloat16()
+        # a 4-row block's first and last row, the next block's first, row 8 (alone in its block at 9
+        # rows), row 35 (AMX's second 32-row block)
+        for row in (0, 3, 4, 8, 35)[:4 if rows == 9 else 5]:
             x = clean.clone()
             x[row, 40] = bad
             for name in lin.kernel_choices:
                 out = lin.run_kernel(name, x)
                 assert bool(out[row].isnan().all()), (name, group, row)
-                others = [r for r in range(9) if r != row]
+                others = [r for r in range(rows) if r != row]
                 assert torch.equal(out[others], lin.run_kernel(name, clean)[others]), (name, group, row)
                 if name != "dequant_dense":   # (the reference multiplies in another order)
                     assert torch.equal(out[others], lin.run_kernel("w8a8_vnni", clean)[others]), (name, group, row)
