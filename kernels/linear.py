@@ -608,8 +608,9 @@ class Int8Linear(MeasuredLinear):
         # offered at 512 rows only: it never won a decode bucket on a quiet machine, but a timing on
         # a loaded host picked it for 16 rows (~2 ms a step lost, and that bucket off the fused loop).
         # Where only AVX2 runs (Zen 1), w8a8_avx2 at every bucket, dequant_dense timed at 512 only.
-        # With AMX-INT8 (Sapphire Rapids), w8a8_amx at 16 rows. With one activation scale per token
-        # (group = in_features: qkv, o, gate/up and the LM head after the rotation), the decode kernel
+        # With AMX-INT8 (Sapphire Rapids), w8a8_amx at 16 rows (with groups: below). With one
+        # activation scale per token (group = in_features: qkv, o, gate/up and the LM head after
+        # the rotation), the decode kernel
         # at 16 rows too: its fp32 sums are then touched once a call, not once a group, and its one
         # pass over each weight line ran the 16-row decode step 2.4-4.5% faster than the blocked
         # kernel (Zen 4, 2 threads, A/B in one process, both build orders; the 121 linears alone,
@@ -618,8 +619,15 @@ class Int8Linear(MeasuredLinear):
         # w8a8_vnni_large on the decoder's shapes at 512 rows, Emerald Rapids, 2 threads); with
         # groups the blocked VNNI kernel stays (a group's int32 sums leave the tiles 48 times at K =
         # 1536: AMX 865 us against 725 for down_proj at 512 rows).
+        # With AMX and groups (down_proj) the decode kernel at 16 rows: in the 16-row step (weights
+        # from L3, Emerald Rapids, 2 threads, A/B in one process, both orders) down_proj on
+        # w8a8_vnni ran the step 9.66 / 10.14 ms against 10.35 / 10.63 on w8a8_amx (whose per-group
+        # tile stores stall) and 10.02 / 10.27 on w8a8_vnni_large.
         per_token = self.group == self.in_features
-        middle = "w8a8_amx" if self._amx else "w8a8_vnni" if per_token else "w8a8_vnni_large"
+        if self._amx:
+            middle = "w8a8_amx" if per_token else "w8a8_vnni"
+        else:
+            middle = "w8a8_vnni" if per_token else "w8a8_vnni_large"
         large = "w8a8_amx" if self._amx and per_token else "w8a8_vnni_large"
         preferred = (("w8a8_vnni", middle, large) if self._vnni
                      else ("w8a8_avx2",) * 3 if self._avx2 else None)
