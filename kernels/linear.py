@@ -528,7 +528,8 @@ class Int8Linear(MeasuredLinear):
     blocked 4 rows x 48 columns in registers, the activations quantized 4 rows at a time),
     ``w8a8_amx`` (kernels/csrc/int8_gemm_amx.cpp,
     CPUs with AMX-INT8: the same tiles through TDPBSUD, the same result bit for bit, from 5 rows;
-    with one scale per token, 32-row blocks from 32 rows), ``w8a8_avx2`` (kernels/csrc/int8_gemm_avx2.cpp, fp32 or bf16 on any AVX2 CPU: the same
+    with one scale per token, 32-row blocks from 32 rows), ``w8a8_avx2``
+    (kernels/csrc/int8_gemm_avx2.cpp, fp32 or bf16 on any AVX2 CPU: the same
     tiles and, for bf16, the same result bit for bit; on Zen 1, fp32 model, 2 threads: the decode
     step 2.8x faster than fp32 at batch 1, 1.47x at 16, 1.1x at 32, fp32 through oneDNN) and ``dequant_dense`` (the reference and the path elsewhere:
     the activations quantized and dequantized, the weight widened to the model dtype, the dense
@@ -610,11 +611,10 @@ class Int8Linear(MeasuredLinear):
         # Where only AVX2 runs (Zen 1), w8a8_avx2 at every bucket, dequant_dense timed at 512 only.
         # With AMX-INT8 (Sapphire Rapids), w8a8_amx at 16 rows (with groups: below). With one
         # activation scale per token (group = in_features: qkv, o, gate/up and the LM head after
-        # the rotation), the decode kernel
-        # at 16 rows too: its fp32 sums are then touched once a call, not once a group, and its one
-        # pass over each weight line ran the 16-row decode step 2.4-4.5% faster than the blocked
-        # kernel (Zen 4, 2 threads, A/B in one process, both build orders; the 121 linears alone,
-        # cold: 1.05x at 16 rows, 1.02x at 32, equal at 64, 0.97x at 128).
+        # the rotation), the decode kernel at 16 rows too: its fp32 sums are then touched once a
+        # call, not once a group, and its one pass over each weight line ran the 16-row decode step
+        # 2.4-4.5% faster than the blocked kernel (Zen 4, 2 threads, A/B in one process, both build
+        # orders; the 121 linears alone, cold: 1.05x at 16 rows, 1.02x at 32, equal at 64, 0.97x at 128).
         # With AMX-INT8 and one scale per token, w8a8_amx at 512 rows too (its blocked path: 2.5-3.6x
         # w8a8_vnni_large on the decoder's shapes at 512 rows, Emerald Rapids, 2 threads); with
         # groups the blocked VNNI kernel stays (a group's int32 sums leave the tiles 48 times at K =

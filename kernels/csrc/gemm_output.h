@@ -52,6 +52,14 @@ struct OutRows {
 #endif
 };
 
+#if defined(__AVX512BF16__)
+// The lanes of a 16-column store with `left` columns left in the row (all 16 when left >= 16):
+// the mask of every kernel's last, partial column tile.
+inline __mmask16 columns_mask(int64_t left) {
+  return left >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << left) - 1);
+}
+#endif
+
 // out's rows, after checking it is a bf16 or fp32 [M, N] with contiguous rows that do not overlap
 // (threads write disjoint columns of every row).
 inline OutRows out_rows(const at::Tensor& out) {

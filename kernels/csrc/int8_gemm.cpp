@@ -146,7 +146,7 @@ void tile_kernel(const Pass p, int64_t groups, int64_t quads, const uint8_t* w, 
     const int64_t col = n0 + 16 * t;
     if (col >= n) break;
     const __m512 s = _mm512_loadu_ps(wscale + col);
-    const __mmask16 mask = n - col >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - col)) - 1);
+    const __mmask16 mask = pdserve_gemm_out::columns_mask(n - col);
     for (int m = 0; m < MR; ++m) {
       __m512 a;
       if constexpr (kReg) a = facc[m][t]; else a = _mm512_load_ps(fmem[m][t]);

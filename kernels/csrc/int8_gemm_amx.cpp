@@ -150,7 +150,7 @@ void unit_pass(const Activations& a, int64_t r0, int rows, int64_t group, int64_
     const int64_t col = col0 + 16 * t;
     if (col >= n) break;
     const __m512 s = _mm512_loadu_ps(wscale + col);
-    const __mmask16 mask = n - col >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - col)) - 1);
+    const __mmask16 mask = pdserve_gemm_out::columns_mask(n - col);
     for (int r = 0; r < rows; ++r) out.store(r0 + r, col, mask, _mm512_mul_ps(_mm512_load_ps(facc + r * 64 + 16 * t), s));
   }
 }
@@ -224,7 +224,7 @@ void large_block(const Activations& a, int64_t r0, int64_t m, int64_t kstep, con
     const int64_t col = col0 + 16 * t;
     if (col >= n) break;
     const __m512 ws = _mm512_loadu_ps(wscale + col);
-    const __mmask16 mask = n - col >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - col)) - 1);
+    const __mmask16 mask = pdserve_gemm_out::columns_mask(n - col);
     for (int r = 0; r < rows; ++r) {
       const __m512i v = _mm512_add_epi32(_mm512_load_si512(isum + r * 32 + 16 * t), _mm512_set1_epi32(a.corr[a.at(r0 + r, 0)]));
       const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(a.sx[a.at(r0 + r, 0)]), _mm512_setzero_ps());
@@ -254,8 +254,9 @@ void large_gemm(const Activations& a, int64_t m, int64_t ldq, int64_t kstep, con
 // out [M, N] bf16 = x [M, K] bf16 (rows contiguous, or copied so) times the packed int8 weight
 // [N/16, K/4, 16, 4] uint8 (kernels/linear.py pack_int8_gemm) with wscale fp32 [16 * tiles] and
 // activation groups of `group` channels (a multiple of 32 dividing K): w8a8_gemm's schema and
-// result (out_dtype float32: the same bf16 values widened, the LM head's logits, gemm_output.h). Errors (RuntimeError, the reason): arguments that do not match (int8_activations.h), a
-// build without AMX-INT8, an OS that refuses the process AMX state.
+// result (out_dtype float32: the same bf16 values widened, the LM head's logits, gemm_output.h).
+// Errors (RuntimeError, the reason): arguments that do not match (int8_activations.h), a build
+// without AMX-INT8, an OS that refuses the process AMX state.
 at::Tensor w8a8_gemm_amx(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& wscale, int64_t n,
                          int64_t group, std::optional<at::ScalarType> out_dtype) {
   const at::Tensor x = pdserve_int8::checked_input(x_in, packed, wscale, n, group);
@@ -264,7 +265,7 @@ at::Tensor w8a8_gemm_amx(const at::Tensor& x_in, const at::Tensor& packed, const
 #if defined(PDSERVE_AMX_INT8)
   TORCH_CHECK(amx_permitted(), "the OS refused this process AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)");
   if (m == 0) return out;
-  const int64_t groups = k / group, kstep = k % 64 == 0 && group % 64 == 0 ? 64 : 32;
+  const int64_t groups = k / group, kstep = group % 64 == 0 ? 64 : 32;
   const bool large = groups == 1 && m >= kLargeRows;
   const int64_t passes = (m + kMaxRows - 1) / kMaxRows;
   const int64_t per_pass = (m + passes - 1) / passes;   // 20 rows: two passes of 10, not 16 + 4

@@ -169,7 +169,7 @@ void micro_kernel(const Blocks& q, int64_t b, int64_t quads, const uint8_t* w, i
     const int64_t col = n0 + 16 * t;
     if (col >= n) break;
     const __m512 s = _mm512_loadu_ps(wscale + col);
-    const __mmask16 mask = n - col >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - col)) - 1);
+    const __mmask16 mask = pdserve_gemm_out::columns_mask(n - col);
     for (int m = 0; m < R; ++m) out.store(b * kRows + m, col, mask, _mm512_mul_ps(facc[m][t], s));
   }
 }

@@ -87,7 +87,7 @@ void tile_kernel(const int32_t* xq, int64_t ldq, const at::BFloat16* w, int64_t 
   for (int t = 0; t < NT; ++t) {
     const int64_t col = n0 + 16 * t;
     if (col >= n) break;
-    const __mmask16 mask = n - col >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - col)) - 1);
+    const __mmask16 mask = pdserve_gemm_out::columns_mask(n - col);
     for (int m = 0; m < MR; ++m) out.store(m, col, mask, acc[m][t]);
   }
 }

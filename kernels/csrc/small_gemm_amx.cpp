@@ -105,9 +105,7 @@ void unit_pass(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_
   const int64_t cols = std::min<int64_t>(16 * NT, n - col0);
   for (int r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; c += 16) {
-      const int64_t left = cols - c;
-      const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-      out.store(r, col0 + c, mask, _mm512_loadu_ps(scratch + r * 64 + c));
+      out.store(r, col0 + c, pdserve_gemm_out::columns_mask(cols - c), _mm512_loadu_ps(scratch + r * 64 + c));
     }
   }
 }
