@@ -135,6 +135,41 @@ def test_bf16_decode_rows_at_every_block_size_and_group(cpu, block_size, group):
     assert_bf16_rule(cpu.paged_attention(query, kc, vc, lean, 0.125), query, kc, vc, full, args)
 
 
+AMX_DECODE_BATCHES = {
+    # enough sequences for every thread: one item over all 3 KV heads (whole blocks), contexts
+    # ending at and around block edges
+    "decode": [(s, 1) for s in (250, 15, 16, 31, 0, 47, 100, 7)],
+    # verification runs of 2 tokens (6 and 10 rows a KV head at groups 3 and 5: 10 is past the
+    # AMX path's 8, back to attend_item), partial 16-key groups
+    "verification": [(30, 2), (15, 2), (0, 2), (63, 1), (9, 2), (70, 1)],
+    # past one 512-key partition: the rescaling between them; too few sequences for whole items
+    "long": [(600, 1), (530, 2), (1000, 1)],
+    # one sequence alone: its keys split over several items (split-K) and merged
+    "one long decode": [(900, 1)],
+}
+
+
+@pytest.mark.parametrize("batch", list(AMX_DECODE_BATCHES))
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (32, 64), (16, 32)])
+@pytest.mark.parametrize("group", [1, 3, 5])
+@pytest.mark.parametrize("mode", ["whole", "heads", "off"])
+def test_bf16_decode_rows_on_amx_tiles_within_tolerance_of_fp32(cpu, monkeypatch, batch, block_size, head_dim,
+                                                                 group, mode):
+    """Decode and verification rows through AMX tiles where the CPU has AMX-BF16 (attend_decode_amx:
+    S^T = K Q^T and O = P V as tile products, P split hi + lo) with items over every KV head
+    ("whole", the default) or one head ("heads"), and through attend_item ("off",
+    PDSERVE_ATTN_AMX_DECODE=0; elsewhere all three take attend_item): held to the bf16 rule of
+    test_bf16_within_tolerance_of_fp32, and within 2 bf16 ulps of attend_item."""
+    monkeypatch.setenv("PDSERVE_ATTN_AMX_DECODE", {"whole": "1", "heads": "heads", "off": "0"}[mode])
+    query, kc, vc, full, lean, args = case(AMX_DECODE_BATCHES[batch], block_size, kv_heads=3, group=group,
+                                           head_dim=head_dim, dtype=torch.bfloat16)
+    got = cpu.paged_attention(query, kc, vc, lean, 0.125)
+    assert_bf16_rule(got, query, kc, vc, full, args)
+    monkeypatch.setenv("PDSERVE_ATTN_AMX_DECODE", "0")
+    other = cpu.paged_attention(query, kc, vc, lean, 0.125)
+    assert (got.float() - other.float()).abs().max().item() < 1.6e-2
+
+
 TILE_BATCHES = {
     # chunks of 16, 8 and 6 tokens: 16 to 48 rows per KV head at groups 1-3 (the kernel's prefill
     # tile path: one, two or three vectors of 16 rows), and rows below it (the row path)

@@ -77,6 +77,14 @@
 // per 16-key block and row (max, exp, sum, rescale in one dependency chain per block), which bound
 // decode on latency, not on memory or arithmetic. Accumulation is fp32 whatever the cache dtype.
 //
+// On CPUs with AMX-BF16, decode and short verification rows (up to 8 a KV head, bf16 query and
+// cache) go through attend_decode_amx: both products as tile products, and with enough sequences
+// for the threads one item over every KV head (each cache block one contiguous range, every
+// head's scores in one tile). Emerald Rapids, 2 threads, K/V shuffled and read from L3 (30
+// layers in turn), A/B in one process, us a layer: b16 ctx 128 79 -> 54 (one head an item 72),
+// ctx 300 159 -> 107 (125); in the 16-row decode step (SmolLM2-135M, ctx 128) attention 2.37 ->
+// 2.02 ms (bf16), 2.32 -> 1.84 (int8).
+//
 // Small batches split a tile's keys over several items (split-K, as flash decoding does): each
 // writes its partial (max, sum, accumulator) and a final pass merges them, so a single sequence
 // still occupies every thread.
@@ -630,6 +638,7 @@ struct Call {
   bool fp32_pv;            // PDSERVE_ATTN_DECODE=fp32: decode P V in fp32 as before the bf16 pairs (A/B, fallback)
   int l2_ahead;            // how many blocks ahead pass 1 asks for K and V into L2 (>= 1)
   bool amx;                // prefill tiles' QK^T on AMX where the CPU has it (PDSERVE_ATTN_AMX=0: not, for A/B and tests)
+  bool amx_decode;         // decode rows on AMX tiles (attend_decode_amx; PDSERVE_ATTN_AMX_DECODE=0: not)
 };
 
 // Head h's scale of an FP8 cache (1 without one).
@@ -1179,6 +1188,296 @@ void prefetch_first_blocks(const Item& f, int64_t j, const Call<Q, KV>& c) {
   prefetch_block(c.key_cache + at, c.cs[1], n, span);
 }
 
+#if defined(PDSERVE_ATTN_AMX)
+// ---- The decode path on AMX: up to 16 rows of up to 3 KV heads (decode's G query heads of
+// each head, short verification runs), bf16 queries over a bf16 cache, D in {32, 64} ----
+//
+// Both products on tiles, neither operand transposed, every head of the item in one C tile:
+//   S^T = sum_h K_h Q_h^T: A = 16 K rows of head h of a block, read in place (the cache's token
+//     stride is the tile's row stride), B = head h's query rows as bf16 pairs of dimensions in
+//     their own columns (zeros in the other heads': AMX's B layout, packed once an item), C = 16
+//     keys x 16 columns, one per row of the item;
+//   O = sum_h P_h V_h: A = head h's rows of P in bf16 (zeros in the others'), B = V of head h
+//     interleaved in pairs of keys (pack_value_pair: AMX's B layout), 32 keys a step in L1, C =
+//     D / 16 tiles of 16 rows x 16 columns, held for a partition. Each row has two rows of A: p
+//     rounded to bf16 and what the rounding left, so P keeps ~16 significant bits as pv_native's
+//     hi/lo split does (P in bf16 alone, as attend_tile's, was one output ulp further from fp32
+//     than torch's bf16 attention in the tests' rule); so the heads go through P V in groups of
+//     up to 16 / (2 rows per head), each group's C tiles stored once a partition.
+// The softmax runs per row (its scores gathered out of S^T), two passes a partition with
+// FlashAttention's rescaling between partitions, as attend_item; the prefetches are attend_item's.
+// Items over every KV head (where there are enough sequences for the threads) read each cache
+// block as one contiguous range. attend_tile does the same products for 16-48 rows but as O^T,
+// which needs V transposed: decode rows through it ran 1.3x slower than attend_item (stop 36).
+// Tiles, all 16 rows x 64 bytes: QK C 0, A 1, B 2 .. 2 + nh D / 32 - 1 (the queries, loaded at
+// each partition); PV C 0 .. D / 16 - 1, A 4, B 5-7 in turn. Up to 8 rows a KV head.
+// PDSERVE_ATTN_AMX_DECODE=0 (read at each call) keeps attend_item (A/B, tests).
+constexpr int kDecodeAmxMaxHeads = 3;
+
+struct DecodeScratch {
+  std::vector<float> st;       // S^T of a partition: [keys][16]
+  std::vector<float> sr;       // one row's scores
+  std::vector<uint16_t> pa;    // P as bf16 bits, per head: [nh][16][pa_ld]
+  std::vector<uint32_t> qp;    // per head and 32 dimensions: [nh][D / 32][16 pairs][16]
+  std::vector<uint32_t> vp;    // two steps' V of one head: [2][16 key pairs][D]
+  std::vector<float> o, acc, m, l, corr;
+  int pa_layout = -1;          // (nh, rows per head, hi/lo) pa was zeroed for
+  bool configured = false;     // this thread's tiles configured by this call (released at its end)
+};
+
+inline __m512 bf16_to_f32(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
+
+// C[0] += A[4] B: tile loads and products for one 32-key step of one head.
+template <int D>
+inline void pv_step_amx(const uint16_t* pa, int64_t pa_ld, const uint32_t* vp) {
+  _tile_loadd(4, pa, pa_ld * 2);
+  _tile_loadd(5, vp, D * 4);
+  _tile_loadd(6, vp + 16, D * 4);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_dpbf16ps(1, 4, 6);
+  if constexpr (D > 32) {
+    _tile_loadd(7, vp + 32, D * 4);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, vp + 48, D * 4);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+}
+
+template <int D>
+void attend_decode_amx(const Item& it, const Call<at::BFloat16, at::BFloat16>& c, DecodeScratch& w,
+                       const Item* following) {
+  static_assert(D == 32 || D == 64, "C tiles 0 .. D / 16 - 1 hold the output");
+  const int group = c.group, bs = c.block_size, nh = it.nh;
+  const int64_t first = c.query_start_loc[it.b];
+  const int64_t qlen = c.query_start_loc[it.b + 1] - first;
+  const int64_t start = c.seq_lens[it.b] - qlen;
+  const int rph = (it.q1 - it.q0) * group;   // rows per head; row (hh, r) is column hh * rph + r
+  const int rows = nh * rph;
+  const int hpg = 8 / rph;   // heads per P V group: 2 rows each of A and C per row
+  const int64_t k_end = it.k1 >= 0 ? it.k1 : start + it.q1;
+  const int64_t* table = c.block_tables + it.b * c.bt_stride;
+  const int64_t pa_ld = (c.partition + 31) / 32 * 32;
+  const size_t pa_head = 16 * pa_ld;
+  w.st.resize(static_cast<size_t>(c.partition) * 16);
+  w.sr.resize(pa_ld);
+  // pa rows no head's P is written to must be zeros: zeroed when the layout changes
+  const int layout = nh * 64 + rph;
+  if (w.pa_layout != layout) {
+    w.pa.assign(kDecodeAmxMaxHeads * pa_head, 0);
+    w.pa_layout = layout;
+  }
+  w.qp.assign(static_cast<size_t>(nh) * (D / 2) * 16, 0);
+  w.vp.resize(2 * 16 * D);
+  w.o.resize(16 * D);
+  w.acc.assign(static_cast<size_t>(rows) * D, 0.f);
+  w.m.assign(rows, kNegInf);
+  w.l.assign(rows, 0.f);
+  w.corr.resize(rows);
+  for (int hh = 0; hh < nh; ++hh)
+    for (int r = 0; r < rph; ++r) {
+      const at::BFloat16* q = c.query + (first + it.q0 + r / group) * c.q_tok +
+                              (static_cast<int64_t>(it.h0 + hh) * group + r % group) * c.q_head;
+      uint32_t* dst = w.qp.data() + static_cast<size_t>(hh) * (D / 2) * 16 + hh * rph + r;
+      for (int j = 0; j < D / 2; ++j) std::memcpy(dst + j * 16, q + 2 * j, sizeof(uint32_t));
+    }
+  const int64_t kv_h = static_cast<int64_t>(it.h0) * c.cs[2];
+  const int64_t span = (nh - 1) * c.cs[2] + D;   // the item's heads of one token
+  const int64_t kb_end = (k_end + bs - 1) / bs;
+  const auto ask = [&](const at::BFloat16* cache, int64_t kb) {
+    prefetch_block(cache + table[kb] * c.cs[0] + kv_h, c.cs[1], static_cast<int>(std::min<int64_t>(bs, k_end - kb * bs)), span);
+  };
+  const __m512i gather16 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(16));
+  const __m512 vscale = _mm512_set1_ps(c.scale);
+  const int64_t ld2 = c.cs[1] * 2;   // bytes between a block's tokens
+  for (int64_t p0 = it.k0; p0 < k_end; p0 += c.partition) {
+    const int64_t p1 = std::min<int64_t>(p0 + c.partition, k_end);
+    const int plen = static_cast<int>(p1 - p0);
+    const int64_t kb0 = p0 / bs, kb1 = (p1 + bs - 1) / bs;
+    // 1. S^T, 16 keys a tile (a partial block's last rows are read, never used)
+    for (int hh = 0; hh < nh; ++hh)   // B tiles 2 + (D / 32) hh ..: tile numbers are immediates
+      for (int j = 0; j < D / 32; ++j) {
+        const uint32_t* b = w.qp.data() + (static_cast<size_t>(hh) * (D / 2) + j * 16) * 16;
+        switch (hh * (D / 32) + j) {
+          case 0: _tile_loadd(2, b, 64); break;
+          case 1: _tile_loadd(3, b, 64); break;
+          case 2: _tile_loadd(4, b, 64); break;
+          case 3: _tile_loadd(5, b, 64); break;
+          case 4: _tile_loadd(6, b, 64); break;
+          default: _tile_loadd(7, b, 64); break;
+        }
+      }
+    for (int64_t kb = kb0; kb < kb1; ++kb) {
+      for (int64_t far = kb == it.k0 / bs ? kb + 1 : kb + c.l2_ahead; far <= kb + c.l2_ahead; ++far) {
+        if (far < kb1) ask(c.key_cache, far);
+        else if (kb0 + far - kb1 < kb1) ask(c.value_cache, kb0 + far - kb1);
+      }
+      const at::BFloat16* k = c.key_cache + table[kb] * c.cs[0] + kv_h;
+      const int n = static_cast<int>(std::min<int64_t>(bs, p1 - kb * bs));
+      for (int t0 = 0; t0 < n; t0 += 16) {
+        const at::BFloat16* kt = k + t0 * c.cs[1];
+        _tile_zero(0);
+        for (int j = 0; j < nh * (D / 32); ++j) {
+          _tile_loadd(1, kt + (j / (D / 32)) * c.cs[2] + (j % (D / 32)) * 32, ld2);
+          switch (j) {
+            case 0: _tile_dpbf16ps(0, 1, 2); break;
+            case 1: _tile_dpbf16ps(0, 1, 3); break;
+            case 2: _tile_dpbf16ps(0, 1, 4); break;
+            case 3: _tile_dpbf16ps(0, 1, 5); break;
+            case 4: _tile_dpbf16ps(0, 1, 6); break;
+            default: _tile_dpbf16ps(0, 1, 7); break;
+          }
+        }
+        _tile_stored(0, w.st.data() + (kb * bs + t0 - p0) * 16, 64);
+      }
+    }
+    // 2. softmax per row into its head's P: p rounded to bf16 and its remainder, its group's rows
+    // apart; keys the row does not see, and the last 32-key step past plen, are zeros
+    const int plen32 = (plen + 31) / 32 * 32;
+    for (int r = 0; r < rows; ++r) {
+      // row r's P at row r - g0 rph of its head's A (g0: its group's first head), the remainder
+      // that group's rows further on
+      const int hh = r / rph, g0 = hh / hpg * hpg, g_rows = (std::min(nh, g0 + hpg) - g0) * rph;
+      uint16_t* hi = w.pa.data() + hh * pa_head + (r - g0 * rph) * pa_ld;
+      uint16_t* lo = hi + g_rows * pa_ld;
+      const int vis = static_cast<int>(std::clamp<int64_t>(start + it.q0 + r % rph / group + 1 - p0, 0, plen));
+      if (vis == 0) {
+        std::memset(hi, 0, plen32 * sizeof(uint16_t));
+        std::memset(lo, 0, plen32 * sizeof(uint16_t));
+        w.corr[r] = 1.f;
+        continue;
+      }
+      float* s = w.sr.data();
+      __m512 vmax = _mm512_set1_ps(kNegInf);
+      for (int t = 0; t < vis; t += 16) {
+        const __mmask16 mask = tail_mask(vis - t);
+        const __m512 x = _mm512_mul_ps(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, gather16, w.st.data() + t * 16 + r, 4), vscale);
+        _mm512_storeu_ps(s + t, x);
+        vmax = _mm512_mask_max_ps(vmax, mask, vmax, x);
+      }
+      const float m_new = std::max(w.m[r], _mm512_reduce_max_ps(vmax));
+      w.corr[r] = w.m[r] == kNegInf ? 0.f : std::exp(w.m[r] - m_new);
+      const __m512 vm = _mm512_set1_ps(m_new);
+      __m512 vsum = _mm512_setzero_ps();
+      for (int t = 0; t < plen32; t += 16) {
+        const __mmask16 mask = t < vis ? tail_mask(vis - t) : 0;
+        const __m512 e = _mm512_maskz_mov_ps(mask, exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), vm)));
+        vsum = _mm512_add_ps(vsum, e);
+        const __m256i eh = (__m256i)_mm512_cvtneps_pbh(e);
+        const __m256i el = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(e, bf16_to_f32(eh)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + t), eh);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + t), el);
+      }
+      w.l[r] = w.l[r] * w.corr[r] + _mm512_reduce_add_ps(vsum);
+      w.m[r] = m_new;
+    }
+    // 3. O = sum_h P_h V_h per group of heads, 32 keys (16 pairs) a step; V pairs past the
+    // partition's keys are zeros (P is zero there, and 0 x the bytes past a block's last written
+    // token could be NaN)
+    int turn = 0;
+    for (int g0 = 0; g0 < nh; g0 += hpg) {
+      const int g1 = std::min(nh, g0 + hpg), g_rows = (g1 - g0) * rph;
+      _tile_zero(0);
+      _tile_zero(1);
+      if constexpr (D > 32) {
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int c0 = 0; c0 < plen; c0 += 32) {
+        for (int hh = g0; hh < g1; ++hh, turn ^= 1) {
+          uint32_t* vp = w.vp.data() + turn * 16 * D;   // two buffers in turn: packing the next
+          for (int half = 0; half < 2; ++half) {        // head or step does not wait on these loads
+            const int t0 = c0 + 16 * half;
+            uint32_t* dst = vp + 8 * half * D;
+            const int nv = std::min(16, plen - t0);
+            if (nv <= 0) {
+              std::memset(dst, 0, 8 * D * sizeof(uint32_t));
+              continue;
+            }
+            const int64_t pos = p0 + t0, kb = pos / bs, row0 = pos % bs;
+            if (row0 == 0 && hh == 0) {   // a block's first keys: V l2_ahead blocks on, then what follows
+              const int64_t far = kb + c.l2_ahead;
+              if (far < kb1) ask(c.value_cache, far);
+              else if (far < kb_end) ask(c.key_cache, far);
+              else if (following != nullptr) prefetch_first_blocks(*following, far - kb_end, c);
+            }
+            const at::BFloat16* v = c.value_cache + table[kb] * c.cs[0] + row0 * c.cs[1] + kv_h + hh * c.cs[2];
+            for (int u = 0; u < 8; ++u) {
+              if (2 * u >= nv) std::memset(dst + u * D, 0, D * sizeof(uint32_t));
+              else pack_value_pair<D>(dst + u * D, v + 2 * u * c.cs[1], 2 * u + 1 < nv ? v + (2 * u + 1) * c.cs[1] : nullptr);
+            }
+          }
+          pv_step_amx<D>(w.pa.data() + hh * pa_head + c0, pa_ld, vp);
+        }
+      }
+      _tile_stored(0, w.o.data(), D * 4);
+      _tile_stored(1, w.o.data() + 16, D * 4);
+      if constexpr (D > 32) {
+        _tile_stored(2, w.o.data() + 32, D * 4);
+        _tile_stored(3, w.o.data() + 48, D * 4);
+      }
+      for (int r = 0; r < g_rows; ++r) {
+        const int gr = g0 * rph + r;   // the item's row
+        const __m512 corr = _mm512_set1_ps(w.corr[gr]);
+        float* acc = w.acc.data() + gr * D;
+        const float* hi = w.o.data() + r * D;
+        const float* lo = w.o.data() + (g_rows + r) * D;
+        for (int i = 0; i < D; i += 16)
+          _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(_mm512_loadu_ps(acc + i), corr,
+                                                    _mm512_add_ps(_mm512_loadu_ps(hi + i), _mm512_loadu_ps(lo + i))));
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const int hh = r / rph, rr = r % rph;
+    const float* acc = w.acc.data() + r * D;
+    if (it.slot >= 0) {   // partial: unnormalized acc, max (natural units), sum, as attend_item's
+      float* dst = c.partial + (it.slot * c.partial_rows + r) * (D + 2);
+      std::memcpy(dst, acc, D * sizeof(float));
+      dst[D] = w.m[r];
+      dst[D + 1] = w.l[r];
+      continue;
+    }
+    at::BFloat16* dst = c.out + (first + it.q0 + rr / group) * c.os[0] + (static_cast<int64_t>(it.h0 + hh) * group + rr % group) * c.os[1];
+    const __m512 inv = _mm512_set1_ps(w.l[r] > 0.f ? 1.f / w.l[r] : 0.f);
+    for (int i = 0; i < D; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + i), inv)));
+  }
+}
+
+// Whether attend_decode_amx takes items of `rows` rows a KV head over nh heads.
+inline bool decode_amx_fits(int d, int block_size, int rows, int nh) {
+  return pdserve_amx::amx_permitted() && (d == 32 || d == 64) && block_size % 16 == 0 && nh <= kDecodeAmxMaxHeads &&
+         rows <= 8 && rows * nh <= 16;
+}
+
+// Whether an item goes through attend_decode_amx, and then it does.
+template <typename Q, typename KV>
+bool try_decode_amx(const Item& it, const Call<Q, KV>& c, DecodeScratch& w, const Item* following) {
+  if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<KV, at::BFloat16>) {
+    if (!c.amx_decode || !decode_amx_fits(c.d, c.block_size, (it.q1 - it.q0) * c.group, it.nh)) return false;
+    if (!w.configured && !(w.configured = configure_attention_tiles())) return false;
+    if (c.d == 64) attend_decode_amx<64>(it, c, w, following);
+    else attend_decode_amx<32>(it, c, w, following);
+    return true;
+  }
+  (void)it, (void)c, (void)w, (void)following;
+  return false;
+}
+
+// The end of a thread's items: its tiles back to the OS's init state (attend_tile configures its own).
+inline void release_decode_tiles(DecodeScratch& w) {
+  if (w.configured) _tile_release();
+  w.configured = false;
+}
+#else
+struct DecodeScratch {};
+inline bool decode_amx_fits(int, int, int, int) { return false; }
+inline void release_decode_tiles(DecodeScratch&) {}
+template <typename Q, typename KV>
+bool try_decode_amx(const Item&, const Call<Q, KV>&, DecodeScratch&, const Item*) { return false; }
+#endif
+
 template <typename Q, typename KV>
 void attend_item(const Item& it, const Call<Q, KV>& c, Scratch& w, const Item* following = nullptr) {
   const int d = c.d, group = c.group, bs = c.block_size;
@@ -1431,7 +1730,21 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, 
   const bool enough = static_cast<int64_t>(tiles.size()) >= 2 * threads && max_tile_q * c.group <= PDSERVE_ATTN_WHOLE_MAX_ROWS;
   const char* min_rows_env = std::getenv("PDSERVE_ATTN_WHOLE_MIN_ROWS");   // A/B knob: 0 = every tile whole
   const int whole_min_rows = min_rows_env != nullptr ? std::atoi(min_rows_env) : PDSERVE_ATTN_WHOLE_MIN_ROWS;
-  auto whole_tile = [&](const Tile& t) { return enough && (t.q1 - t.q0) * c.group >= whole_min_rows; };
+  // Decode rows on AMX (attend_decode_amx) take every KV head in one item too: each cache block
+  // then one contiguous range, one C tile for all heads' scores.
+  const char* amx_env = std::getenv("PDSERVE_ATTN_AMX");
+  c.amx = amx_env == nullptr || std::strcmp(amx_env, "0") != 0;
+  const char* decode_mode = std::getenv("PDSERVE_ATTN_DECODE");
+  c.fp32_pv = decode_mode != nullptr && std::strcmp(decode_mode, "fp32") == 0;
+  const char* amx_decode = std::getenv("PDSERVE_ATTN_AMX_DECODE");   // 0: off; heads: one KV head an item
+  c.amx_decode = c.amx && !c.fp32_pv && !k_scale && !v_scale && (amx_decode == nullptr || std::strcmp(amx_decode, "0") != 0);
+  const bool amx_whole = c.amx_decode && std::is_same_v<Q, at::BFloat16> && std::is_same_v<KV, at::BFloat16> &&
+                         (amx_decode == nullptr || std::strcmp(amx_decode, "heads") != 0);
+  auto whole_tile = [&](const Tile& t) {
+    const int rows = (t.q1 - t.q0) * c.group;
+    return enough && (rows >= whole_min_rows ||
+                      (amx_whole && decode_amx_fits(c.d, c.block_size, rows, static_cast<int>(num_kv_heads))));
+  };
   int64_t base_items = 0;
   for (const Tile& t : tiles) base_items += whole_tile(t) ? 1 : num_kv_heads;
   const int64_t want = 2 * threads;
@@ -1487,18 +1800,15 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, 
   c.k_scale = k_scale ? k_scale->data_ptr<float>() : nullptr;
   c.v_scale = v_scale ? v_scale->data_ptr<float>() : nullptr;
   c.scale_heads = k_scale ? k_scale->numel() : 1;
-  const char* decode_mode = std::getenv("PDSERVE_ATTN_DECODE");
-  c.fp32_pv = decode_mode != nullptr && std::strcmp(decode_mode, "fp32") == 0;
   const char* l2 = std::getenv("PDSERVE_ATTN_L2_AHEAD");   // a tuning knob for A/B runs (2 and 8 measured as 4)
   c.l2_ahead = c.fp32_pv ? 1 : std::max(1, l2 != nullptr ? std::atoi(l2) : PDSERVE_ATTN_L2_AHEAD);
-  const char* amx = std::getenv("PDSERVE_ATTN_AMX");
-  c.amx = amx == nullptr || std::strcmp(amx, "0") != 0;
   const int64_t n_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(threads, n_items);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch w;
     TileScratch tw;
+    DecodeScratch dw;
     // from the last item: a chunk's later tiles see more keys, and the costliest first balances best
     // Each thread claims its next item before it starts the current one, so the current one's
     // last blocks can ask for the next one's first (prefetch_first_blocks).
@@ -1506,9 +1816,15 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, 
       const int64_t j = c.l2_ahead > 1 ? next.fetch_add(1) : -1;
       const Item& it = items[n_items - 1 - i];
       const Item* following = j >= 0 && j < n_items ? &items[n_items - 1 - j] : nullptr;
-      if (!try_tile<Q, KV>(it, c, tw)) attend_item<Q, KV>(it, c, w, following);
+      if (try_decode_amx<Q, KV>(it, c, dw, following)) {
+      } else if (try_tile<Q, KV>(it, c, tw)) {
+        release_decode_tiles(dw);   // attend_tile configured the tiles its own way and released them
+      } else {
+        attend_item<Q, KV>(it, c, w, following);
+      }
       i = j >= 0 ? j : next.fetch_add(1);
     }
+    release_decode_tiles(dw);
   });
   for (const Split& s : splits) merge_partials<Q, KV>(s.tile, s.first_slot, s.n, c);
 }
