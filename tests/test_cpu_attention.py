@@ -258,6 +258,32 @@ def test_fp8_cache_is_read_with_its_scales(cpu, batch, per_head):
     assert got16.dtype == torch.bfloat16 and err < 1.6e-2 and err <= ref_err + 1e-6
 
 
+@pytest.mark.parametrize("batch", ["decode", "verification", "long"])
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("mode", ["whole", "heads", "off"])
+def test_fp8_decode_rows_on_amx_tiles_are_read_with_their_scales(cpu, monkeypatch, batch, per_head, mode):
+    """FP8 caches through attend_decode_amx (K and V rows converted to bf16 before their tiles, the K
+    scale on the scores, the V scale on the output) in each item mode of
+    test_bf16_decode_rows_on_amx_tiles_within_tolerance_of_fp32: bf16 queries within bf16's tolerance
+    of an exact read of the dequantized cache, no worse than the reference's FP8 path, and within 2
+    bf16 ulps of attend_item."""
+    seqs = AMX_DECODE_BATCHES[batch]
+    query, (k8, v8), (k32, v32), (ks, vs), full, lean = fp8_case(seqs, kv_heads=3, per_head=per_head)
+    ref = get_attention_backend("torch")
+    q16 = query.to(torch.bfloat16)
+    exact16 = ref.paged_attention(q16.float(), k32, v32, full, 0.125)
+    full16 = AttentionMetadata.build([s for s, _ in seqs], [q for _, q in seqs], scattered_tables(seqs, 16), 16,
+                                     dtype=torch.bfloat16)
+    ref_err = (ref.paged_attention(q16, k8, v8, full16, 0.125, k_scale=ks, v_scale=vs).float() - exact16).abs().max().item()
+    monkeypatch.setenv("PDSERVE_ATTN_AMX_DECODE", {"whole": "1", "heads": "heads", "off": "0"}[mode])
+    got = cpu.paged_attention(q16, k8, v8, lean, 0.125, k_scale=ks, v_scale=vs)
+    err = (got.float() - exact16).abs().max().item()
+    assert got.dtype == torch.bfloat16 and err < 1.6e-2 and err <= ref_err + 1e-6
+    monkeypatch.setenv("PDSERVE_ATTN_AMX_DECODE", "0")
+    other = cpu.paged_attention(q16, k8, v8, lean, 0.125, k_scale=ks, v_scale=vs)
+    assert (got.float() - other.float()).abs().max().item() < 1.6e-2
+
+
 @pytest.mark.parametrize("query_len", [1, 16])   # the decode rows and the prefill tiles convert blocks alike
 def test_fp8_values_are_read_exactly_with_bf16_queries(cpu, query_len):
     """Every E4M3 byte but NaN, as V of the only visible key (softmax weight exactly 1): the

@@ -77,13 +77,13 @@
 // per 16-key block and row (max, exp, sum, rescale in one dependency chain per block), which bound
 // decode on latency, not on memory or arithmetic. Accumulation is fp32 whatever the cache dtype.
 //
-// On CPUs with AMX-BF16, decode and short verification rows (up to 8 a KV head, bf16 query and
-// cache) go through attend_decode_amx: both products as tile products, and with enough sequences
-// for the threads one item over every KV head (each cache block one contiguous range, every
-// head's scores in one tile). Emerald Rapids, 2 threads, K/V shuffled and read from L3 (30
+// On CPUs with AMX-BF16, decode and short verification rows (up to 8 a KV head, bf16 queries
+// over a bf16 or FP8 cache) go through attend_decode_amx: both products as tile products, and
+// with enough sequences for the threads one item over every KV head (each cache block one
+// contiguous range, every head's scores in one tile). Emerald Rapids, 2 threads, K/V shuffled and read from L3 (30
 // layers in turn), A/B in one process, us a layer: b16 ctx 128 79 -> 54 (one head an item 72),
-// ctx 300 159 -> 107 (125); in the 16-row decode step (SmolLM2-135M, ctx 128) attention 2.37 ->
-// 2.02 ms (bf16), 2.32 -> 1.84 (int8).
+// ctx 300 159 -> 107 (125); an FP8 cache 84 -> 62, 173 -> 116; in the 16-row decode step
+// (SmolLM2-135M, ctx 128) attention 2.37 -> 2.02 ms (bf16), 2.32 -> 1.84 (int8).
 //
 // Small batches split a tile's keys over several items (split-K, as flash decoding does): each
 // writes its partial (max, sum, accumulator) and a final pass merges them, so a single sequence
@@ -1190,7 +1190,7 @@ void prefetch_first_blocks(const Item& f, int64_t j, const Call<Q, KV>& c) {
 
 #if defined(PDSERVE_ATTN_AMX)
 // ---- The decode path on AMX: up to 16 rows of up to 3 KV heads (decode's G query heads of
-// each head, short verification runs), bf16 queries over a bf16 cache, D in {32, 64} ----
+// each head, short verification runs), bf16 queries over a bf16 or FP8 cache, D in {32, 64} ----
 //
 // Both products on tiles, neither operand transposed, every head of the item in one C tile:
 //   S^T = sum_h K_h Q_h^T: A = 16 K rows of head h of a block, read in place (the cache's token
@@ -1204,6 +1204,8 @@ void prefetch_first_blocks(const Item& f, int64_t j, const Call<Q, KV>& c) {
 //     hi/lo split does (P in bf16 alone, as attend_tile's, was one output ulp further from fp32
 //     than torch's bf16 attention in the tests' rule); so the heads go through P V in groups of
 //     up to 16 / (2 rows per head), each group's C tiles stored once a partition.
+// An FP8 cache's K rows and V rows are converted to bf16 (exactly: E4M3 has 4 significant bits)
+// before their tile loads and pairing, its K scale applied to the scores, its V scale to the output.
 // The softmax runs per row (its scores gathered out of S^T), two passes a partition with
 // FlashAttention's rescaling between partitions, as attend_item; the prefetches are attend_item's.
 // Items over every KV head (where there are enough sequences for the threads) read each cache
@@ -1220,6 +1222,7 @@ struct DecodeScratch {
   std::vector<uint16_t> pa;    // P as bf16 bits, per head: [nh][16][pa_ld]
   std::vector<uint32_t> qp;    // per head and 32 dimensions: [nh][D / 32][16 pairs][16]
   std::vector<uint32_t> vp;    // two steps' V of one head: [2][16 key pairs][D]
+  std::vector<at::BFloat16> kb, vb;   // an FP8 cache's 16 K rows (every head) / 16 V rows as bf16
   std::vector<float> o, acc, m, l, corr;
   int pa_layout = -1;          // (nh, rows per head, hi/lo) pa was zeroed for
   bool configured = false;     // this thread's tiles configured by this call (released at its end)
@@ -1243,9 +1246,9 @@ inline void pv_step_amx(const uint16_t* pa, int64_t pa_ld, const uint32_t* vp) {
   }
 }
 
-template <int D>
-void attend_decode_amx(const Item& it, const Call<at::BFloat16, at::BFloat16>& c, DecodeScratch& w,
-                       const Item* following) {
+template <int D, typename KV>
+void attend_decode_amx(const Item& it, const Call<at::BFloat16, KV>& c, DecodeScratch& w, const Item* following) {
+  constexpr bool fp8 = std::is_same_v<KV, at::Float8_e4m3fn>;
   static_assert(D == 32 || D == 64, "C tiles 0 .. D / 16 - 1 hold the output");
   const int group = c.group, bs = c.block_size, nh = it.nh;
   const int64_t first = c.query_start_loc[it.b];
@@ -1282,14 +1285,23 @@ void attend_decode_amx(const Item& it, const Call<at::BFloat16, at::BFloat16>& c
     }
   const int64_t kv_h = static_cast<int64_t>(it.h0) * c.cs[2];
   const int64_t span = (nh - 1) * c.cs[2] + D;   // the item's heads of one token
+  if constexpr (fp8) {
+    w.kb.resize(16 * span);
+    w.vb.resize(16 * D);
+  }
+  float row_scale[16], row_vscale[16];   // per row: the score scale (an FP8 K scale folded in), V's
+  for (int r = 0; r < rows; ++r) {
+    row_scale[r] = c.scale * head_scale(c.k_scale, c.scale_heads, it.h0 + r / rph);
+    row_vscale[r] = head_scale(c.v_scale, c.scale_heads, it.h0 + r / rph);
+  }
   const int64_t kb_end = (k_end + bs - 1) / bs;
-  const auto ask = [&](const at::BFloat16* cache, int64_t kb) {
+  const auto ask = [&](const KV* cache, int64_t kb) {
     prefetch_block(cache + table[kb] * c.cs[0] + kv_h, c.cs[1], static_cast<int>(std::min<int64_t>(bs, k_end - kb * bs)), span);
   };
   const __m512i gather16 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                               _mm512_set1_epi32(16));
-  const __m512 vscale = _mm512_set1_ps(c.scale);
-  const int64_t ld2 = c.cs[1] * 2;   // bytes between a block's tokens
+  // bytes between the K rows a tile reads: the cache's tokens, or the bf16 copy's
+  const int64_t ld2 = fp8 ? span * 2 : c.cs[1] * 2;
   for (int64_t p0 = it.k0; p0 < k_end; p0 += c.partition) {
     const int64_t p1 = std::min<int64_t>(p0 + c.partition, k_end);
     const int plen = static_cast<int>(p1 - p0);
@@ -1312,10 +1324,16 @@ void attend_decode_amx(const Item& it, const Call<at::BFloat16, at::BFloat16>& c
         if (far < kb1) ask(c.key_cache, far);
         else if (kb0 + far - kb1 < kb1) ask(c.value_cache, kb0 + far - kb1);
       }
-      const at::BFloat16* k = c.key_cache + table[kb] * c.cs[0] + kv_h;
+      const KV* k = c.key_cache + table[kb] * c.cs[0] + kv_h;
       const int n = static_cast<int>(std::min<int64_t>(bs, p1 - kb * bs));
       for (int t0 = 0; t0 < n; t0 += 16) {
-        const at::BFloat16* kt = k + t0 * c.cs[1];
+        const at::BFloat16* kt;
+        if constexpr (fp8) {   // (rows past n keep what they held: read, never used)
+          load_block_bf16(w.kb.data(), k + t0 * c.cs[1], c.cs[1], std::min(16, n - t0), static_cast<int>(span));
+          kt = w.kb.data();
+        } else {
+          kt = k + t0 * c.cs[1];
+        }
         _tile_zero(0);
         for (int j = 0; j < nh * (D / 32); ++j) {
           _tile_loadd(1, kt + (j / (D / 32)) * c.cs[2] + (j % (D / 32)) * 32, ld2);
@@ -1348,6 +1366,7 @@ void attend_decode_amx(const Item& it, const Call<at::BFloat16, at::BFloat16>& c
         continue;
       }
       float* s = w.sr.data();
+      const __m512 vscale = _mm512_set1_ps(row_scale[r]);
       __m512 vmax = _mm512_set1_ps(kNegInf);
       for (int t = 0; t < vis; t += 16) {
         const __mmask16 mask = tail_mask(vis - t);
@@ -1401,10 +1420,20 @@ void attend_decode_amx(const Item& it, const Call<at::BFloat16, at::BFloat16>& c
               else if (far < kb_end) ask(c.key_cache, far);
               else if (following != nullptr) prefetch_first_blocks(*following, far - kb_end, c);
             }
-            const at::BFloat16* v = c.value_cache + table[kb] * c.cs[0] + row0 * c.cs[1] + kv_h + hh * c.cs[2];
+            const KV* src = c.value_cache + table[kb] * c.cs[0] + row0 * c.cs[1] + kv_h + hh * c.cs[2];
+            const at::BFloat16* v;
+            int64_t vld;
+            if constexpr (fp8) {
+              load_block_bf16(w.vb.data(), src, c.cs[1], nv, D);
+              v = w.vb.data();
+              vld = D;
+            } else {
+              v = src;
+              vld = c.cs[1];
+            }
             for (int u = 0; u < 8; ++u) {
               if (2 * u >= nv) std::memset(dst + u * D, 0, D * sizeof(uint32_t));
-              else pack_value_pair<D>(dst + u * D, v + 2 * u * c.cs[1], 2 * u + 1 < nv ? v + (2 * u + 1) * c.cs[1] : nullptr);
+              else pack_value_pair<D>(dst + u * D, v + 2 * u * vld, 2 * u + 1 < nv ? v + (2 * u + 1) * vld : nullptr);
             }
           }
           pv_step_amx<D>(w.pa.data() + hh * pa_head + c0, pa_ld, vp);
@@ -1431,15 +1460,15 @@ void attend_decode_amx(const Item& it, const Call<at::BFloat16, at::BFloat16>& c
   for (int r = 0; r < rows; ++r) {
     const int hh = r / rph, rr = r % rph;
     const float* acc = w.acc.data() + r * D;
-    if (it.slot >= 0) {   // partial: unnormalized acc, max (natural units), sum, as attend_item's
+    if (it.slot >= 0) {   // partial: unnormalized acc x V scale, max (natural units), sum, as attend_item's
       float* dst = c.partial + (it.slot * c.partial_rows + r) * (D + 2);
-      std::memcpy(dst, acc, D * sizeof(float));
+      for (int i = 0; i < D; ++i) dst[i] = acc[i] * row_vscale[r];
       dst[D] = w.m[r];
       dst[D + 1] = w.l[r];
       continue;
     }
     at::BFloat16* dst = c.out + (first + it.q0 + rr / group) * c.os[0] + (static_cast<int64_t>(it.h0 + hh) * group + rr % group) * c.os[1];
-    const __m512 inv = _mm512_set1_ps(w.l[r] > 0.f ? 1.f / w.l[r] : 0.f);
+    const __m512 inv = _mm512_set1_ps(w.l[r] > 0.f ? row_vscale[r] / w.l[r] : 0.f);
     for (int i = 0; i < D; i += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + i), inv)));
   }
@@ -1454,11 +1483,12 @@ inline bool decode_amx_fits(int d, int block_size, int rows, int nh) {
 // Whether an item goes through attend_decode_amx, and then it does.
 template <typename Q, typename KV>
 bool try_decode_amx(const Item& it, const Call<Q, KV>& c, DecodeScratch& w, const Item* following) {
-  if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<KV, at::BFloat16>) {
+  if constexpr (std::is_same_v<Q, at::BFloat16> &&
+                (std::is_same_v<KV, at::BFloat16> || std::is_same_v<KV, at::Float8_e4m3fn>)) {
     if (!c.amx_decode || !decode_amx_fits(c.d, c.block_size, (it.q1 - it.q0) * c.group, it.nh)) return false;
     if (!w.configured && !(w.configured = configure_attention_tiles())) return false;
-    if (c.d == 64) attend_decode_amx<64>(it, c, w, following);
-    else attend_decode_amx<32>(it, c, w, following);
+    if (c.d == 64) attend_decode_amx<64, KV>(it, c, w, following);
+    else attend_decode_amx<32, KV>(it, c, w, following);
     return true;
   }
   (void)it, (void)c, (void)w, (void)following;
@@ -1737,8 +1767,9 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, 
   const char* decode_mode = std::getenv("PDSERVE_ATTN_DECODE");
   c.fp32_pv = decode_mode != nullptr && std::strcmp(decode_mode, "fp32") == 0;
   const char* amx_decode = std::getenv("PDSERVE_ATTN_AMX_DECODE");   // 0: off; heads: one KV head an item
-  c.amx_decode = c.amx && !c.fp32_pv && !k_scale && !v_scale && (amx_decode == nullptr || std::strcmp(amx_decode, "0") != 0);
-  const bool amx_whole = c.amx_decode && std::is_same_v<Q, at::BFloat16> && std::is_same_v<KV, at::BFloat16> &&
+  c.amx_decode = c.amx && !c.fp32_pv && (amx_decode == nullptr || std::strcmp(amx_decode, "0") != 0);
+  const bool amx_whole = c.amx_decode && std::is_same_v<Q, at::BFloat16> &&
+                         (std::is_same_v<KV, at::BFloat16> || std::is_same_v<KV, at::Float8_e4m3fn>) &&
                          (amx_decode == nullptr || std::strcmp(amx_decode, "heads") != 0);
   auto whole_tile = [&](const Tile& t) {
     const int rows = (t.q1 - t.q0) * c.group;
