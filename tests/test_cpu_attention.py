@@ -284,6 +284,32 @@ def test_fp8_decode_rows_on_amx_tiles_are_read_with_their_scales(cpu, monkeypatc
     assert (got.float() - other.float()).abs().max().item() < 1.6e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("mode", ["whole", "heads"])
+def test_decode_rows_over_a_cache_with_padded_heads(cpu, monkeypatch, dtype, mode):
+    """K/V as a [..., :64] view of 72-wide heads (the kernel accepts any head stride): the AMX decode
+    path reads each head alone (an FP8 copy of all heads' span, 136 values a token, once wrote past
+    its buffer and aborted the process); the result equals attend_item's within 2 bf16 ulps."""
+    gen = torch.Generator().manual_seed(3)
+    seqs, hkv, group = [(20 + 7 * i, 1) for i in range(16)], 2, 4
+
+    def padded_cache():
+        wide = torch.zeros(NUM_BLOCKS, 16, hkv, 72)
+        wide[..., :64] = torch.randn(NUM_BLOCKS, 16, hkv, 64, generator=gen)
+        return wide.to(dtype)[..., :64]
+
+    kc, vc = padded_cache(), padded_cache()
+    query = torch.randn(len(seqs), hkv * group, 64, generator=gen).to(torch.bfloat16)
+    scales = {"k_scale": torch.tensor([0.5]), "v_scale": torch.tensor([0.5])} if dtype != torch.bfloat16 else {}
+    lean = AttentionMetadata.build([s for s, _ in seqs], [q for _, q in seqs], scattered_tables(seqs, 16), 16,
+                                   dtype=torch.bfloat16, groups=cpu_attention.CpuAttention.metadata_groups)
+    monkeypatch.setenv("PDSERVE_ATTN_AMX_DECODE", {"whole": "1", "heads": "heads"}[mode])
+    got = cpu.paged_attention(query, kc, vc, lean, 0.125, **scales)
+    monkeypatch.setenv("PDSERVE_ATTN_AMX_DECODE", "0")
+    want = cpu.paged_attention(query, kc, vc, lean, 0.125, **scales)
+    assert got.isfinite().all() and (got.float() - want.float()).abs().max().item() < 1.6e-2
+
+
 @pytest.mark.parametrize("query_len", [1, 16])   # the decode rows and the prefill tiles convert blocks alike
 def test_fp8_values_are_read_exactly_with_bf16_queries(cpu, query_len):
     """Every E4M3 byte but NaN, as V of the only visible key (softmax weight exactly 1): the

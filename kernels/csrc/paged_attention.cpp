@@ -1209,7 +1209,9 @@ void prefetch_first_blocks(const Item& f, int64_t j, const Call<Q, KV>& c) {
 // The softmax runs per row (its scores gathered out of S^T), two passes a partition with
 // FlashAttention's rescaling between partitions, as attend_item; the prefetches are attend_item's.
 // Items over every KV head (where there are enough sequences for the threads) read each cache
-// block as one contiguous range. attend_tile does the same products for 16-48 rows but as O^T,
+// block as one contiguous range. (Their heads share C: a NaN or inf in one head's live K row
+// reaches the other heads' scores as 0 x inf, where attend_item keeps it to its own head; only a
+// sequence whose keys are already non-finite is affected, never another sequence.) attend_tile does the same products for 16-48 rows but as O^T,
 // which needs V transposed: decode rows through it ran 1.3x slower than attend_item (stop 36).
 // Tiles, all 16 rows x 64 bytes: QK C 0, A 1, B 2 .. 2 + nh D / 32 - 1 (the queries, loaded at
 // each partition); PV C 0 .. D / 16 - 1, A 4, B 5-7 in turn. Up to 8 rows a KV head.
@@ -1222,15 +1224,15 @@ struct DecodeScratch {
   std::vector<uint16_t> pa;    // P as bf16 bits, per head: [nh][16][pa_ld]
   std::vector<uint32_t> qp;    // per head and 32 dimensions: [nh][D / 32][16 pairs][16]
   std::vector<uint32_t> vp;    // two steps' V of one head: [2][16 key pairs][D]
-  std::vector<at::BFloat16> kb, vb;   // an FP8 cache's 16 K rows (every head) / 16 V rows as bf16
+  std::vector<at::BFloat16> kb, vb;   // an FP8 cache's 16 K rows of each head [nh][16][D] / 16 V rows, as bf16
   std::vector<float> o, acc, m, l, corr;
-  int pa_layout = -1;          // (nh, rows per head, hi/lo) pa was zeroed for
+  int pa_layout = -1;          // (heads, rows per head) pa was zeroed for
   bool configured = false;     // this thread's tiles configured by this call (released at its end)
 };
 
 inline __m512 bf16_to_f32(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
 
-// C[0] += A[4] B: tile loads and products for one 32-key step of one head.
+// C tiles 0 .. D / 16 - 1 += P (A, tile 4) x V pairs (B, tiles 5-7 in turn): one 32-key step of one head.
 template <int D>
 inline void pv_step_amx(const uint16_t* pa, int64_t pa_ld, const uint32_t* vp) {
   _tile_loadd(4, pa, pa_ld * 2);
@@ -1286,7 +1288,7 @@ void attend_decode_amx(const Item& it, const Call<at::BFloat16, KV>& c, DecodeSc
   const int64_t kv_h = static_cast<int64_t>(it.h0) * c.cs[2];
   const int64_t span = (nh - 1) * c.cs[2] + D;   // the item's heads of one token
   if constexpr (fp8) {
-    w.kb.resize(16 * span);
+    w.kb.resize(static_cast<size_t>(nh) * 16 * D);
     w.vb.resize(16 * D);
   }
   float row_scale[16], row_vscale[16];   // per row: the score scale (an FP8 K scale folded in), V's
@@ -1300,8 +1302,9 @@ void attend_decode_amx(const Item& it, const Call<at::BFloat16, KV>& c, DecodeSc
   };
   const __m512i gather16 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                               _mm512_set1_epi32(16));
-  // bytes between the K rows a tile reads: the cache's tokens, or the bf16 copy's
-  const int64_t ld2 = fp8 ? span * 2 : c.cs[1] * 2;
+  // bytes between the K rows a tile reads and elements between its heads: the cache's, or the
+  // bf16 copy's (each head converted alone: the heads' span need not be whole vectors)
+  const int64_t ld2 = fp8 ? D * 2 : c.cs[1] * 2, head_ld = fp8 ? 16 * D : c.cs[2];
   for (int64_t p0 = it.k0; p0 < k_end; p0 += c.partition) {
     const int64_t p1 = std::min<int64_t>(p0 + c.partition, k_end);
     const int plen = static_cast<int>(p1 - p0);
@@ -1329,14 +1332,15 @@ void attend_decode_amx(const Item& it, const Call<at::BFloat16, KV>& c, DecodeSc
       for (int t0 = 0; t0 < n; t0 += 16) {
         const at::BFloat16* kt;
         if constexpr (fp8) {   // (rows past n keep what they held: read, never used)
-          load_block_bf16(w.kb.data(), k + t0 * c.cs[1], c.cs[1], std::min(16, n - t0), static_cast<int>(span));
+          for (int hh = 0; hh < nh; ++hh)
+            load_block_bf16(w.kb.data() + hh * 16 * D, k + t0 * c.cs[1] + hh * c.cs[2], c.cs[1], std::min(16, n - t0), D);
           kt = w.kb.data();
         } else {
           kt = k + t0 * c.cs[1];
         }
         _tile_zero(0);
         for (int j = 0; j < nh * (D / 32); ++j) {
-          _tile_loadd(1, kt + (j / (D / 32)) * c.cs[2] + (j % (D / 32)) * 32, ld2);
+          _tile_loadd(1, kt + (j / (D / 32)) * head_ld + (j % (D / 32)) * 32, ld2);
           switch (j) {
             case 0: _tile_dpbf16ps(0, 1, 2); break;
             case 1: _tile_dpbf16ps(0, 1, 3); break;
