@@ -9,8 +9,10 @@ Two parts, in one run:
   L3) that every call finds its K/V in DRAM, as it does inside a decode step. Reported: ms per
   layer (CPU time, median), and the K/V bytes the kernel reads per second; interleaved with the
   default in the same run, the kernel with ``PDSERVE_ATTN_WHOLE_MIN_ROWS=0`` (its earlier work
-  items: one over all KV heads once a batch has two tiles per thread) and, for bf16, with
-  ``PDSERVE_ATTN_DECODE=fp32`` (its earlier fp32 P V loop, kept as a fallback).
+  items: one over all KV heads once a batch has two tiles per thread), with
+  ``PDSERVE_ATTN_AMX_DECODE=0`` (on CPUs with AMX-BF16: the decode rows off the AMX tiles, through
+  the vdpbf16ps path) and, for bf16, with ``PDSERVE_ATTN_DECODE=fp32`` (its earlier fp32 P V loop,
+  kept as a fallback).
 - **prefill**: one layer's attention of one prefill chunk of each ``--prefill-lens`` length, from
   position 0 and continued after as many cached tokens (causal; the same shapes, scattered
   tables). Reported: ms per layer and GFLOP/s of the causal work (4 x head_dim FLOPs per query
@@ -18,7 +20,8 @@ Two parts, in one run:
 - **step**: a whole decode step of the bundled model (batch 16, ~250-token contexts by default)
   per dtype and backend: ms per step, the part of it spent in attention, and the metadata build
   (``AttentionMetadata.build``) per step; also the cpu backend with ``PDSERVE_ATTN_WHOLE_MIN_ROWS=0``
-  (all-heads step), interleaved; ``--profile`` adds torch.profiler's top operators.
+  (all-heads step) and with ``PDSERVE_ATTN_AMX_DECODE=0``, interleaved; ``--profile`` adds
+  torch.profiler's top operators.
 
 Times are CPU time (process time, all threads), which other processes on a shared machine do
 not inflate; wall times are in the JSON too, beside ``uptime``'s load. Prints a table and writes
@@ -124,6 +127,8 @@ def _op(dtype, batch: int, context: int, repeats: int, qlen: int = 1) -> dict:
         fns["cpu_fp32_pv"] = _with_env("PDSERVE_ATTN_DECODE", "fp32", over_layers(cpu, lean))
     # the earlier work items (one item over all KV heads once there are enough tiles), for the A/B
     fns["cpu_all_heads"] = _with_env("PDSERVE_ATTN_WHOLE_MIN_ROWS", "0", over_layers(cpu, lean))
+    # decode rows off the AMX tiles (the same kernel elsewhere), for the A/B
+    fns["cpu_no_amx_decode"] = _with_env("PDSERVE_ATTN_AMX_DECODE", "0", over_layers(cpu, lean))
     times = _interleaved(fns, repeats)
     per_layer = {name: {k: 1000 * v / layers for k, v in t.items()} for name, t in times.items()}
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
@@ -134,6 +139,7 @@ def _op(dtype, batch: int, context: int, repeats: int, qlen: int = 1) -> dict:
         out[f"{name}_ms_per_layer_wall"] = per_layer[name]["wall"]
     out["cpu_kv_read_gb_s"] = kv_bytes / (per_layer["cpu"]["cpu"] / 1000) / 1e9
     out["speedup_vs_all_heads"] = per_layer["cpu_all_heads"]["cpu"] / per_layer["cpu"]["cpu"]
+    out["speedup_vs_no_amx_decode"] = per_layer["cpu_no_amx_decode"]["cpu"] / per_layer["cpu"]["cpu"]
     if "cpu_fp32_pv" in fns:
         out["cpu_fp32_pv_kv_read_gb_s"] = kv_bytes / (per_layer["cpu_fp32_pv"]["cpu"] / 1000) / 1e9
         out["speedup_vs_fp32_pv"] = per_layer["cpu_fp32_pv"]["cpu"] / per_layer["cpu"]["cpu"]
@@ -209,14 +215,17 @@ def _step(model: str, dtype, batch: int, context: int, repeats: int, profile: bo
     fns = {name: step(name) for name in backends}
     # the cpu kernel with its earlier work items (one over all KV heads), interleaved: the A/B of 893f332
     fns["cpu_all_heads"] = _with_env("PDSERVE_ATTN_WHOLE_MIN_ROWS", "0", step("cpu"))
+    fns["cpu_no_amx_decode"] = _with_env("PDSERVE_ATTN_AMX_DECODE", "0", step("cpu"))
     times = _interleaved(fns, repeats)
     out = {"dtype": str(dtype).removeprefix("torch."), "kv_cache_dtype": kv_cache_dtype, "batch": batch,
            "context": context}
     out["cpu_all_heads_ms_per_step"] = 1000 * times["cpu_all_heads"]["cpu"]
     out["cpu_all_heads_ms_per_step_wall"] = 1000 * times["cpu_all_heads"]["wall"]
+    out["cpu_no_amx_decode_ms_per_step"] = 1000 * times["cpu_no_amx_decode"]["cpu"]
+    out["cpu_no_amx_decode_ms_per_step_wall"] = 1000 * times["cpu_no_amx_decode"]["wall"]
     for name in backends:
-        # warm-up included in the attention total; the cpu backend's also covers cpu_all_heads' steps
-        calls = (repeats + 1) * (2 if name == "cpu" else 1)
+        # warm-up included in the attention total; the cpu backend's also covers the steps of its two A/B variants
+        calls = (repeats + 1) * (3 if name == "cpu" else 1)
         out[f"{name}_ms_per_step"] = 1000 * times[name]["cpu"]
         out[f"{name}_ms_per_step_wall"] = 1000 * times[name]["wall"]
         # None: the backend's attention ran inside the fused C++ decoder loop (kernels/decoder_loop.py),
@@ -294,12 +303,16 @@ def _print_table(result: dict) -> None:
           " fp32-PV: the kernel with PDSERVE_ATTN_DECODE=fp32, same run)")
     print("all-heads: the kernel with PDSERVE_ATTN_WHOLE_MIN_ROWS=0 (one work item over all KV heads at b >= 2 x threads,"
           " as before 2026-12-02), same run")
+    print("no-AMX: the kernel with PDSERVE_ATTN_AMX_DECODE=0 (decode rows through vdpbf16ps where the CPU has AMX-BF16;"
+          " elsewhere the same kernel), same run")
     print(f"{'dtype':9} {'batch':>5} {'ctx':>5} {'q':>2} {'torch ms':>9} {'cpu ms':>8} {'speedup':>8} {'cpu KV GB/s':>11} "
-          f"{'all-heads ms':>12} {'vs all-heads':>12} {'fp32-PV ms':>10} {'fp32-PV GB/s':>12} {'vs fp32-PV':>10}")
+          f"{'all-heads ms':>12} {'vs all-heads':>12} {'no-AMX ms':>9} {'vs no-AMX':>9} {'fp32-PV ms':>10} {'fp32-PV GB/s':>12} "
+          f"{'vs fp32-PV':>10}")
     for r in result["op"]:
         line = (f"{r['dtype']:9} {r['batch']:5d} {r['context']:5d} {r.get('query_len', 1):2d} {r['torch_ms_per_layer']:9.3f} "
                 f"{r['cpu_ms_per_layer']:8.3f} {r['speedup']:7.2f}x {r['cpu_kv_read_gb_s']:11.1f}"
-                f" {r['cpu_all_heads_ms_per_layer']:12.3f} {r['speedup_vs_all_heads']:11.2f}x")
+                f" {r['cpu_all_heads_ms_per_layer']:12.3f} {r['speedup_vs_all_heads']:11.2f}x"
+                f" {r['cpu_no_amx_decode_ms_per_layer']:9.3f} {r['speedup_vs_no_amx_decode']:8.2f}x")
         if "cpu_fp32_pv_ms_per_layer" in r:
             line += (f" {r['cpu_fp32_pv_ms_per_layer']:10.3f} {r['cpu_fp32_pv_kv_read_gb_s']:12.1f}"
                      f" {r['speedup_vs_fp32_pv']:9.2f}x")
@@ -315,12 +328,13 @@ def _print_table(result: dict) -> None:
         print("\ndecode step (ms, CPU time): whole step / attention in it / metadata build"
               " ('-': attention inside the fused C++ decoder loop, not timed from Python; see --profile)")
         print(f"{'dtype':9} {'kv':>8} {'batch':>5} {'ctx':>5} {'torch step':>10} {'attn':>6} {'meta':>6} "
-              f"{'cpu step':>9} {'attn':>6} {'meta':>6} {'speedup':>8} {'all-heads step':>14}")
+              f"{'cpu step':>9} {'attn':>6} {'meta':>6} {'speedup':>8} {'all-heads step':>14} {'no-AMX step':>11}")
         for r in result["step"]:
             print(f"{r['dtype']:9} {r.get('kv_cache_dtype', 'auto'):>8} {r['batch']:5d} {r['context']:5d} {r['torch_ms_per_step']:10.1f} "
                   f"{_ms(r['torch_attention_ms_per_step'])} {r['torch_metadata_ms_per_step']:6.2f} "
                   f"{r['cpu_ms_per_step']:9.1f} {_ms(r['cpu_attention_ms_per_step'])} "
-                  f"{r['cpu_metadata_ms_per_step']:6.2f} {r['step_speedup']:7.2f}x {r['cpu_all_heads_ms_per_step']:14.1f}")
+                  f"{r['cpu_metadata_ms_per_step']:6.2f} {r['step_speedup']:7.2f}x {r['cpu_all_heads_ms_per_step']:14.1f}"
+                  f" {r['cpu_no_amx_decode_ms_per_step']:11.1f}")
         for r in result["step"]:
             for name, rows in r.get("profile", {}).items():
                 print(f"\nprofile, {r['dtype']} {name}: top ops by self time (profiler wall ms per step, share)")
