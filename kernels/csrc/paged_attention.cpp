@@ -80,10 +80,10 @@
 // On CPUs with AMX-BF16, decode and short verification rows (up to 8 a KV head, bf16 queries
 // over a bf16 or FP8 cache) go through attend_decode_amx: both products as tile products, and
 // with enough sequences for the threads one item over every KV head (each cache block one
-// contiguous range, every head's scores in one tile). Emerald Rapids, 2 threads, K/V shuffled and read from L3 (30
-// layers in turn), A/B in one process, us a layer: b16 ctx 128 79 -> 54 (one head an item 72),
-// ctx 300 159 -> 107 (125); an FP8 cache 84 -> 62, 173 -> 116; in the 16-row decode step
-// (SmolLM2-135M, ctx 128) attention 2.37 -> 2.02 ms (bf16), 2.32 -> 1.84 (int8).
+// contiguous range, every head's scores in one tile). Emerald Rapids, 2 threads, K/V shuffled and
+// read from L3 (30 layers in turn), A/B in one process, us a layer: b16 ctx 128 79 -> 54 (one
+// head an item 72), ctx 300 159 -> 107 (125); an FP8 cache 84 -> 62, 173 -> 116; in the 16-row
+// decode step (SmolLM2-135M, ctx 128) attention 2.37 -> 2.02 ms (bf16), 2.32 -> 1.84 (int8).
 //
 // Small batches split a tile's keys over several items (split-K, as flash decoding does): each
 // writes its partial (max, sum, accumulator) and a final pass merges them, so a single sequence
@@ -941,6 +941,12 @@ inline void softmax_tile(const float* s, int nk, int64_t c0, const __m512i* limi
 
 // p2[r * p2s + u] = (bf16(p_r[2u]), bf16(p_r[2u + 1])), u < ceil(n / 2), r < rows: p rows ps apart;
 // an odd n's last pair has a zero second half. lo (or nullptr): the same of p - hi.
+// What rounding x to bf16 (hi, as vcvtneps2bf16 rounds it) left, rounded to bf16 in turn: hi + lo
+// carries ~16 significant bits of x (P's split, in pack_p_pairs and attend_decode_amx).
+inline __m256i bf16_remainder(__m512 x, __m256i hi) {
+  return (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16))));
+}
+
 inline void pack_p_pairs(const float* p, int64_t ps, int rows, int n, uint32_t* p2, uint32_t* lo, int64_t p2s) {
   for (int r = 0; r < rows; ++r)
     for (int t = 0; t < n; t += 16) {
@@ -950,8 +956,7 @@ inline void pack_p_pairs(const float* p, int64_t ps, int rows, int n, uint32_t* 
       const __m256i b = (__m256i)_mm512_cvtneps_pbh(x);
       _mm256_mask_storeu_epi32(p2 + r * p2s + t / 2, pairs, b);
       if (lo == nullptr) continue;
-      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-      _mm256_mask_storeu_epi32(lo + r * p2s + t / 2, pairs, (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, hi)));
+      _mm256_mask_storeu_epi32(lo + r * p2s + t / 2, pairs, bf16_remainder(x, b));
     }
 }
 
@@ -1211,8 +1216,9 @@ void prefetch_first_blocks(const Item& f, int64_t j, const Call<Q, KV>& c) {
 // Items over every KV head (where there are enough sequences for the threads) read each cache
 // block as one contiguous range. (Their heads share C: a NaN or inf in one head's live K row
 // reaches the other heads' scores as 0 x inf, where attend_item keeps it to its own head; only a
-// sequence whose keys are already non-finite is affected, never another sequence.) attend_tile does the same products for 16-48 rows but as O^T,
-// which needs V transposed: decode rows through it ran 1.3x slower than attend_item (stop 36).
+// sequence whose keys are already non-finite is affected, never another sequence.) attend_tile
+// does the same products for 16-48 rows but as O^T, which needs V transposed: decode rows through
+// it ran 1.3x slower than attend_item (stop 36).
 // Tiles, all 16 rows x 64 bytes: QK C 0, A 1, B 2 .. 2 + nh D / 32 - 1 (the queries, loaded at
 // each partition); PV C 0 .. D / 16 - 1, A 4, B 5-7 in turn. Up to 8 rows a KV head.
 // PDSERVE_ATTN_AMX_DECODE=0 (read at each call) keeps attend_item (A/B, tests).
@@ -1225,12 +1231,9 @@ struct DecodeScratch {
   std::vector<uint32_t> qp;    // per head and 32 dimensions: [nh][D / 32][16 pairs][16]
   std::vector<uint32_t> vp;    // two steps' V of one head: [2][16 key pairs][D]
   std::vector<at::BFloat16> kb, vb;   // an FP8 cache's 16 K rows of each head [nh][16][D] / 16 V rows, as bf16
-  std::vector<float> o, acc, m, l, corr;
   int pa_layout = -1;          // (heads, rows per head) pa was zeroed for
   bool configured = false;     // this thread's tiles configured by this call (released at its end)
 };
-
-inline __m512 bf16_to_f32(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
 
 // C tiles 0 .. D / 16 - 1 += P (A, tile 4) x V pairs (B, tiles 5-7 in turn): one 32-key step of one head.
 template <int D>
@@ -1273,11 +1276,12 @@ void attend_decode_amx(const Item& it, const Call<at::BFloat16, KV>& c, DecodeSc
   }
   w.qp.assign(static_cast<size_t>(nh) * (D / 2) * 16, 0);
   w.vp.resize(2 * 16 * D);
-  w.o.resize(16 * D);
-  w.acc.assign(static_cast<size_t>(rows) * D, 0.f);
-  w.m.assign(rows, kNegInf);
-  w.l.assign(rows, 0.f);
-  w.corr.resize(rows);
+  // per row (at most 16): accumulator, running max and sum, a partition's rescaling; C tiles stored
+  alignas(64) float acc[16 * D], o[16 * D];
+  float m[16], l[16], corr[16];
+  std::fill_n(acc, rows * D, 0.f);
+  std::fill_n(m, rows, kNegInf);
+  std::fill_n(l, rows, 0.f);
   for (int hh = 0; hh < nh; ++hh)
     for (int r = 0; r < rph; ++r) {
       const at::BFloat16* q = c.query + (first + it.q0 + r / group) * c.q_tok +
@@ -1366,7 +1370,7 @@ void attend_decode_amx(const Item& it, const Call<at::BFloat16, KV>& c, DecodeSc
       if (vis == 0) {
         std::memset(hi, 0, plen32 * sizeof(uint16_t));
         std::memset(lo, 0, plen32 * sizeof(uint16_t));
-        w.corr[r] = 1.f;
+        corr[r] = 1.f;
         continue;
       }
       float* s = w.sr.data();
@@ -1378,8 +1382,8 @@ void attend_decode_amx(const Item& it, const Call<at::BFloat16, KV>& c, DecodeSc
         _mm512_storeu_ps(s + t, x);
         vmax = _mm512_mask_max_ps(vmax, mask, vmax, x);
       }
-      const float m_new = std::max(w.m[r], _mm512_reduce_max_ps(vmax));
-      w.corr[r] = w.m[r] == kNegInf ? 0.f : std::exp(w.m[r] - m_new);
+      const float m_new = std::max(m[r], _mm512_reduce_max_ps(vmax));
+      corr[r] = m[r] == kNegInf ? 0.f : std::exp(m[r] - m_new);
       const __m512 vm = _mm512_set1_ps(m_new);
       __m512 vsum = _mm512_setzero_ps();
       for (int t = 0; t < plen32; t += 16) {
@@ -1387,12 +1391,12 @@ void attend_decode_amx(const Item& it, const Call<at::BFloat16, KV>& c, DecodeSc
         const __m512 e = _mm512_maskz_mov_ps(mask, exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), vm)));
         vsum = _mm512_add_ps(vsum, e);
         const __m256i eh = (__m256i)_mm512_cvtneps_pbh(e);
-        const __m256i el = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(e, bf16_to_f32(eh)));
+        const __m256i el = bf16_remainder(e, eh);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + t), eh);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + t), el);
       }
-      w.l[r] = w.l[r] * w.corr[r] + _mm512_reduce_add_ps(vsum);
-      w.m[r] = m_new;
+      l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(vsum);
+      m[r] = m_new;
     }
     // 3. O = sum_h P_h V_h per group of heads, 32 keys (16 pairs) a step; V pairs past the
     // partition's keys are zeros (P is zero there, and 0 x the bytes past a block's last written
@@ -1443,39 +1447,45 @@ void attend_decode_amx(const Item& it, const Call<at::BFloat16, KV>& c, DecodeSc
           pv_step_amx<D>(w.pa.data() + hh * pa_head + c0, pa_ld, vp);
         }
       }
-      _tile_stored(0, w.o.data(), D * 4);
-      _tile_stored(1, w.o.data() + 16, D * 4);
+      _tile_stored(0, o, D * 4);
+      _tile_stored(1, o + 16, D * 4);
       if constexpr (D > 32) {
-        _tile_stored(2, w.o.data() + 32, D * 4);
-        _tile_stored(3, w.o.data() + 48, D * 4);
+        _tile_stored(2, o + 32, D * 4);
+        _tile_stored(3, o + 48, D * 4);
       }
       for (int r = 0; r < g_rows; ++r) {
         const int gr = g0 * rph + r;   // the item's row
-        const __m512 corr = _mm512_set1_ps(w.corr[gr]);
-        float* acc = w.acc.data() + gr * D;
-        const float* hi = w.o.data() + r * D;
-        const float* lo = w.o.data() + (g_rows + r) * D;
+        const __m512 rescale = _mm512_set1_ps(corr[gr]);
+        float* a = acc + gr * D;
+        const float* hi = o + r * D;
+        const float* lo = o + (g_rows + r) * D;
         for (int i = 0; i < D; i += 16)
-          _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(_mm512_loadu_ps(acc + i), corr,
-                                                    _mm512_add_ps(_mm512_loadu_ps(hi + i), _mm512_loadu_ps(lo + i))));
+          _mm512_storeu_ps(a + i, _mm512_fmadd_ps(_mm512_loadu_ps(a + i), rescale,
+                                                  _mm512_add_ps(_mm512_loadu_ps(hi + i), _mm512_loadu_ps(lo + i))));
       }
     }
   }
   for (int r = 0; r < rows; ++r) {
     const int hh = r / rph, rr = r % rph;
-    const float* acc = w.acc.data() + r * D;
+    const float* a = acc + r * D;
     if (it.slot >= 0) {   // partial: unnormalized acc x V scale, max (natural units), sum, as attend_item's
       float* dst = c.partial + (it.slot * c.partial_rows + r) * (D + 2);
-      for (int i = 0; i < D; ++i) dst[i] = acc[i] * row_vscale[r];
-      dst[D] = w.m[r];
-      dst[D + 1] = w.l[r];
+      for (int i = 0; i < D; ++i) dst[i] = a[i] * row_vscale[r];
+      dst[D] = m[r];
+      dst[D + 1] = l[r];
       continue;
     }
     at::BFloat16* dst = c.out + (first + it.q0 + rr / group) * c.os[0] + (static_cast<int64_t>(it.h0 + hh) * group + rr % group) * c.os[1];
-    const __m512 inv = _mm512_set1_ps(w.l[r] > 0.f ? row_vscale[r] / w.l[r] : 0.f);
+    const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? row_vscale[r] / l[r] : 0.f);
     for (int i = 0; i < D; i += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + i), inv)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(a + i), inv)));
   }
+}
+
+// Whether attend_decode_amx reads Q over a KV cache: bf16 queries over a bf16 or FP8 cache.
+template <typename Q, typename KV>
+constexpr bool decode_amx_types() {
+  return std::is_same_v<Q, at::BFloat16> && (std::is_same_v<KV, at::BFloat16> || std::is_same_v<KV, at::Float8_e4m3fn>);
 }
 
 // Whether attend_decode_amx takes items of `rows` rows a KV head over nh heads.
@@ -1487,8 +1497,7 @@ inline bool decode_amx_fits(int d, int block_size, int rows, int nh) {
 // Whether an item goes through attend_decode_amx, and then it does.
 template <typename Q, typename KV>
 bool try_decode_amx(const Item& it, const Call<Q, KV>& c, DecodeScratch& w, const Item* following) {
-  if constexpr (std::is_same_v<Q, at::BFloat16> &&
-                (std::is_same_v<KV, at::BFloat16> || std::is_same_v<KV, at::Float8_e4m3fn>)) {
+  if constexpr (decode_amx_types<Q, KV>()) {
     if (!c.amx_decode || !decode_amx_fits(c.d, c.block_size, (it.q1 - it.q0) * c.group, it.nh)) return false;
     if (!w.configured && !(w.configured = configure_attention_tiles())) return false;
     if (c.d == 64) attend_decode_amx<64, KV>(it, c, w, following);
@@ -1506,6 +1515,8 @@ inline void release_decode_tiles(DecodeScratch& w) {
 }
 #else
 struct DecodeScratch {};
+template <typename Q, typename KV>
+constexpr bool decode_amx_types() { return false; }
 inline bool decode_amx_fits(int, int, int, int) { return false; }
 inline void release_decode_tiles(DecodeScratch&) {}
 template <typename Q, typename KV>
@@ -1772,8 +1783,7 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, 
   c.fp32_pv = decode_mode != nullptr && std::strcmp(decode_mode, "fp32") == 0;
   const char* amx_decode = std::getenv("PDSERVE_ATTN_AMX_DECODE");   // 0: off; heads: one KV head an item
   c.amx_decode = c.amx && !c.fp32_pv && (amx_decode == nullptr || std::strcmp(amx_decode, "0") != 0);
-  const bool amx_whole = c.amx_decode && std::is_same_v<Q, at::BFloat16> &&
-                         (std::is_same_v<KV, at::BFloat16> || std::is_same_v<KV, at::Float8_e4m3fn>) &&
+  const bool amx_whole = c.amx_decode && decode_amx_types<Q, KV>() &&
                          (amx_decode == nullptr || std::strcmp(amx_decode, "heads") != 0);
   auto whole_tile = [&](const Tile& t) {
     const int rows = (t.q1 - t.q0) * c.group;
@@ -1851,11 +1861,10 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, 
       const int64_t j = c.l2_ahead > 1 ? next.fetch_add(1) : -1;
       const Item& it = items[n_items - 1 - i];
       const Item* following = j >= 0 && j < n_items ? &items[n_items - 1 - j] : nullptr;
-      if (try_decode_amx<Q, KV>(it, c, dw, following)) {
-      } else if (try_tile<Q, KV>(it, c, tw)) {
-        release_decode_tiles(dw);   // attend_tile configured the tiles its own way and released them
-      } else {
-        attend_item<Q, KV>(it, c, w, following);
+      if (!try_decode_amx<Q, KV>(it, c, dw, following)) {
+        // (attend_tile configures the tiles its own way and releases them)
+        if (try_tile<Q, KV>(it, c, tw)) release_decode_tiles(dw);
+        else attend_item<Q, KV>(it, c, w, following);
       }
       i = j >= 0 ? j : next.fetch_add(1);
     }
