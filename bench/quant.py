@@ -9,15 +9,20 @@ averages are printed beside them):
   GB/s that makes;
 - linears of a step: every linear of the loaded model (30 layers' qkv, o, gate/up, down and the
   LM head) called on B rows, each with the kernel the model chose at load, per method; each
-  weight is read once per pass (the model's 135-270 MB through a 32 MB L3), so every call finds
-  its weight out of cache as a decode step does. Per call the least time over --steps passes (methods round-robin), summed per projection
+  weight is read once per pass (the model's 135-270 MB), so every call finds its weight out of the
+  core's caches as a decode step does. Per call the least time over --steps passes (methods round-robin), summed per projection
   and in all, with the GB/s of weight that makes: the GEMM share of the decode step, in hardware
   terms, without attention and the small ops;
 - decode step: one ModelRunner forward of B decode tokens (B = ``--batch-sizes``, default 1, 16,
   32; ``--context`` tokens of context each) per --quantization method at --dtype, best of
   --steps, and its speed-up over ``none``; also the median step and the median of each round's
   ratio to ``none`` (the spread a busy host puts between single runs shows there). Methods are timed
-  round-robin, so a burst of load hits them alike. Beside it: the step's linears (the table
+  round-robin, so a burst of load hits them alike: each round runs every method's step once
+  (after another method's step: the caches hold that model's weights, not this one's) and then
+  ``--consecutive`` more of its steps, timed apart (the previous step was the same model's, as in
+  a server). The two differ where the last-level cache holds much of a model: on a 300 MiB L3 the
+  INT8 model's 135 MB can stay there from one step to the next, bf16's 270 MB mostly cannot; on a
+  32 MB L3 they agree. Beside it: the step's linears (the table
   above), the rest of the step, the linears' floor (their weight bytes at the run's best
   streaming read, or their operations at the method's GEMM peak, whichever is longer:
   bench/floors.py) and the speed-up those floors allow (``add_floor``).
@@ -47,7 +52,9 @@ def command(
     dtype: str = typer.Option("bfloat16", "--dtype"),
     methods: str = typer.Option("none,int8,fp8", "--methods", help="Comma-separated --quantization methods."),
     context: int = typer.Option(128, "--context", help="Context of each sequence in the decode step."),
-    steps: int = typer.Option(10, "--steps", min=1, help="Timed decode steps per method and batch size."),
+    steps: int = typer.Option(10, "--steps", min=1, help="Rounds of timed decode steps per method and batch size."),
+    consecutive: int = typer.Option(3, "--consecutive", min=0,
+                                    help="Steps a method runs in a row after each round's first (timed apart)."),
     batch_sizes: str = typer.Option("1,16,32", "--batch-sizes", help="Comma-separated decode batch sizes."),
     threads: int = typer.Option(0, "--threads", help="torch threads (0 = the cores this process may use)."),
     skip_linear: bool = typer.Option(False, "--skip-linear",
@@ -73,7 +80,7 @@ def command(
     runners = build_runners(model, names, dt, context, batches)
     result["linears"] = linears_rows(runners, steps, batches)
     _print_linears(result["linears"], result)
-    result["decode"] = decode_rows(runners, context, steps, batches)
+    result["decode"] = decode_rows(runners, context, steps, batches, consecutive)
     result["load_after"] = _load()
     result["read_GBps_after"] = round(measure_read_bandwidth() / 1e9, 1)
     add_floor(result["decode"], result["linears"], max(result["read_GBps_before"], result["read_GBps_after"]),
@@ -170,7 +177,11 @@ def linears_rows(runners: dict, steps: int, batches: tuple[int, ...]) -> list[di
     return out
 
 
-def decode_rows(runners: dict, context: int, steps: int, batches: tuple[int, ...] = (1, 16, 32)) -> list[dict]:
+def decode_rows(runners: dict, context: int, steps: int, batches: tuple[int, ...] = (1, 16, 32),
+                consecutive: int = 3) -> list[dict]:
+    """Per batch and method: the decode step after another method's step (ms, its median, the
+    speed-ups over none) and, with ``consecutive`` > 0, the steps that follow the same method's
+    (ms_consecutive and the rest). ``steps`` rounds, methods round-robin within each."""
     from engine.batch import SeqChunk
 
     methods = list(runners)
@@ -180,14 +191,19 @@ def decode_rows(runners: dict, context: int, steps: int, batches: tuple[int, ...
         chunks = [SeqChunk([100 + b], context, list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)), 1)
                   for b in range(batch)]
         times: dict[str, list[float]] = {m: [] for m in methods}
+        runs: dict[str, list[list[float]]] = {m: [] for m in methods}   # per round, the consecutive steps
         for _ in range(2):                                   # warm-up
             for r in runners.values():
                 r.forward(chunks)
         for _ in range(steps):                               # round-robin
             for m, r in runners.items():
-                t0 = time.perf_counter()
-                r.forward(chunks)
-                times[m].append(time.perf_counter() - t0)
+                run = []
+                for i in range(1 + consecutive):
+                    t0 = time.perf_counter()
+                    r.forward(chunks)
+                    (run if i else times[m]).append(time.perf_counter() - t0)
+                if run:
+                    runs[m].append(run)
         best = {m: min(t) for m, t in times.items()}
         for m in methods:
             row = {"batch": batch, "method": m, "ms": round(best[m] * 1e3, 2),
@@ -197,6 +213,15 @@ def decode_rows(runners: dict, context: int, steps: int, batches: tuple[int, ...
             if "none" in times:   # a round's steps run one after another: their ratio sees the same host minute
                 row["speedup_vs_none_median"] = round(statistics.median(
                     n / t for n, t in zip(times["none"], times[m])), 2)
+            if runs[m]:
+                steady = [t for run in runs[m] for t in run]
+                row.update(ms_consecutive=round(min(steady) * 1e3, 2),
+                           ms_consecutive_median=round(statistics.median(steady) * 1e3, 2))
+                if "none" in runs:   # per round, none's mean consecutive step over the method's
+                    row["speedup_vs_none_consecutive"] = round(
+                        min(t for run in runs["none"] for t in run) / min(steady), 2)
+                    row["speedup_vs_none_consecutive_median"] = round(statistics.median(
+                        statistics.fmean(n) / statistics.fmean(t) for n, t in zip(runs["none"], runs[m])), 2)
             out.append(row)
     return out
 
@@ -290,6 +315,16 @@ def _print_decode(rows: list[dict], result: dict) -> None:
               f"{r.get('speedup_vs_none_median', ''):>7} {r.get('linears_ms', ''):>8} "
               f"{r.get('rest_ms', ''):>6} {r.get('read_floor_ms', ''):>6} {r.get('compute_floor_ms', ''):>7} "
               f"{r.get('linears_pct_of_floor', ''):>7} {r.get('bound_vs_none', ''):>6}")
+    if any("ms_consecutive" in r for r in rows):
+        print("decode step, consecutive steps of one method (the previous step was the same model's, as in a server; "
+              "above: after another method's step). ms/step and vs none: the best; p50 ms: the median step; p50 vs: "
+              "the median over rounds of none's mean step over the method's")
+        print(f"{'batch':>5} {'method':<6} {'ms/step':>8} {'vs none':>8} {'p50 ms':>8} {'p50 vs':>7}")
+        for r in rows:
+            if "ms_consecutive" in r:
+                print(f"{r['batch']:>5} {r['method']:<6} {r['ms_consecutive']:>8.2f} "
+                      f"{r.get('speedup_vs_none_consecutive') or '':>8} {r['ms_consecutive_median']:>8.2f} "
+                      f"{r.get('speedup_vs_none_consecutive_median', ''):>7}")
 
 
 def _load() -> str:

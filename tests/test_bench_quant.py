@@ -70,7 +70,36 @@ def test_decode_rows_give_the_best_the_median_and_the_paired_median_ratio(monkey
 
     # two warm-up steps each, then three rounds; round 2 is slow for both (a burst of load)
     runners = {"none": Runner([99, 99, 14.0, 28.0, 15.0]), "int8": Runner([99, 99, 10.0, 20.0, 10.5])}
-    none, int8 = quant.decode_rows(runners, context=16, steps=3, batches=(1,))
+    none, int8 = quant.decode_rows(runners, context=16, steps=3, batches=(1,), consecutive=0)
+    assert "ms_consecutive" not in int8
     assert (none["ms"], none["ms_median"], none["speedup_vs_none_median"]) == (14.0, 15.0, 1.0)
     assert (int8["ms"], int8["ms_median"], int8["speedup_vs_none"]) == (10.0, 10.5, 1.4)
     assert int8["speedup_vs_none_median"] == 1.4    # rounds: 1.4, 1.4, 1.43
+
+
+def test_decode_rows_time_a_method_s_consecutive_steps_apart_from_its_first(monkeypatch):
+    """Each round: a method's first step (after another method's) in ms, the ``consecutive`` steps
+    after it in ms_consecutive; the paired ratio is per round, of the consecutive steps' means."""
+    import bench.quant as quant
+
+    clock = [0.0]
+    monkeypatch.setattr(quant.time, "perf_counter", lambda: clock[0])
+
+    class Runner:
+        attention_backend = "cpp"
+
+        def __init__(self, steps_ms):
+            self.steps = iter(steps_ms)
+
+        def forward(self, chunks):
+            clock[0] += next(self.steps) / 1e3
+
+    # warm-up 2, then two rounds of 1 + 2 steps; the first step of each round is the slow one
+    runners = {"none": Runner([99, 99, 13.0, 12.0, 12.0, 13.0, 12.5, 11.5]),
+               "int8": Runner([99, 99, 9.0, 8.0, 7.0, 9.5, 8.5, 7.5])}
+    none, int8 = quant.decode_rows(runners, context=16, steps=2, batches=(1,), consecutive=2)
+    assert (int8["ms"], int8["ms_median"]) == (9.0, 9.25)
+    assert (int8["ms_consecutive"], int8["ms_consecutive_median"]) == (7.0, 7.75)
+    assert int8["speedup_vs_none_consecutive"] == round(11.5 / 7.0, 2)
+    assert int8["speedup_vs_none_consecutive_median"] == round((12.0 / 7.5 + 12.0 / 8.0) / 2, 2)
+    assert none["speedup_vs_none_consecutive_median"] == 1.0
