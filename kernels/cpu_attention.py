@@ -55,7 +55,9 @@ neither a longer prefetch nor an earlier one recovers that.
 The extension is built once per machine with ``torch.utils.cpp_extension.load`` (``-O3
 -march=native -fopenmp``) into a cache directory keyed by the CPU capability, its feature flags and torch version
 (``$PDSERVE_KERNEL_CACHE`` or ``~/.cache/pdserve/kernels``); a build takes ~10 s of CPU on these
-machines (minutes of wall time when they are busy), a cached load ~20 ms. ``load_extension``
+machines (minutes of wall time when they are busy), a cached load ~20 ms. Each source is its own
+build, so a new build removes the oldest ones beside it (``KEEP_BUILDS``, by when each was last
+loaded: ~4 MB apiece, 42 of them had piled up on a development machine). ``load_extension``
 returns ``None`` with a reason when the build is impossible (no compiler, no ninja, a compile
 error), so ``get_attention_backend("auto")`` can fall back to the torch reference and say why.
 """
@@ -129,6 +131,11 @@ def _stamp() -> str:
     return digest.hexdigest()
 
 
+KEEP_BUILDS = 8
+"""Builds of other sources (other checkouts, earlier commits) kept beside a new one: the ones
+loaded most recently; the rest are removed after each build (``prune_builds``)."""
+
+
 def cache_dir() -> Path:
     """Where the built extension lives: one directory per CPU capability, torch version and
     source (checkouts with different sources, sharing one home directory, never overwrite
@@ -178,7 +185,33 @@ def _build() -> tuple[Callable | None, str]:
         return None, f"building {' + '.join(s.name for s in SOURCES)} failed: {first_line} (build dir {build_dir})"
     (build_dir / "source.sha256").write_text(stamp + "\n")
     print(f"pdserve: built the CPU kernels in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+    removed = prune_builds(build_dir)
+    if removed:
+        log.info("removed %d older kernel builds from %s", len(removed), build_dir.parent)
     return op, ""
+
+
+def prune_builds(current: Path, keep: int = KEEP_BUILDS) -> list[Path]:
+    """Remove the finished builds beside ``current`` (its siblings with a ``source.sha256``) but the
+    ``keep`` loaded most recently (the stamp file's mtime: ``_load_cached`` touches it); returns the
+    directories removed. A build without a stamp file may be under way in another process and is
+    left alone; so is anything that cannot be removed (another user's, a read-only cache). A
+    process that loaded a removed build keeps its mapped library; another checkout of that source
+    builds it again on its next start."""
+    builds = []
+    for path in current.parent.glob(current.name.split("-", 1)[0] + "-*"):
+        try:
+            if path != current and path.is_dir():
+                builds.append(((path / "source.sha256").stat().st_mtime, path))
+        except OSError:   # no stamp file: not finished (or not a build)
+            continue
+    builds.sort(reverse=True)
+    removed = []
+    for _, path in builds[keep:]:
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(path)
+    return removed
 
 
 def _load_cached(library: Path, stamp_file: Path, stamp: str) -> bool:
@@ -188,9 +221,13 @@ def _load_cached(library: Path, stamp_file: Path, stamp: str) -> bool:
         if not library.exists() or stamp_file.read_text().strip() != stamp:
             return False
         torch.ops.load_library(str(library))
-        return True
     except (OSError, RuntimeError):
         return False
+    try:
+        os.utime(stamp_file)   # last loaded now: prune_builds keeps the builds in use
+    except OSError:            # (a read-only cache still loads)
+        pass
+    return True
 
 
 def _put_ninja_on_path() -> None:

@@ -363,6 +363,43 @@ def test_build_without_a_compiler_returns_the_reason(monkeypatch, tmp_path):
     assert module is None and "no-such-compiler-pdserve" in reason
 
 
+def test_a_new_build_removes_the_least_recently_loaded_finished_builds(tmp_path):
+    """prune_builds keeps the builds loaded most recently (stamp mtimes), never the current one, a
+    build still under way (no stamp file) or anything not named as a build."""
+    import os
+
+    def build(name, loaded_at=None):
+        path = tmp_path / f"paged_attention-avx512-torch2.13.0_cpu-{name}"
+        path.mkdir()
+        (path / "paged_attention.so").write_bytes(b"\0" * 64)
+        if loaded_at is not None:
+            (path / "source.sha256").write_text(name + "\n")
+            os.utime(path / "source.sha256", (loaded_at, loaded_at))
+        return path
+
+    current = build("cccccccccccc", loaded_at=100)   # the oldest stamp, but the one just built
+    old = [build(f"{i:012d}", loaded_at=1000 + i) for i in range(5)]
+    busy = build("bbbbbbbbbbbb")                      # another process's build, not finished
+    other = tmp_path / "notes"
+    other.mkdir()
+    removed = cpu_attention.prune_builds(current, keep=2)
+    assert sorted(removed) == sorted(old[:3])
+    assert all(p.exists() for p in (current, old[3], old[4], busy, other))
+    assert not any(p.exists() for p in old[:3])
+    assert cpu_attention.prune_builds(current, keep=2) == []
+
+
+def test_loading_a_cached_build_marks_it_used(cpu):
+    """_load_cached touches the stamp file, the time prune_builds ranks builds by."""
+    import os
+
+    build_dir = cpu_attention.cache_dir()
+    stamp_file = build_dir / "source.sha256"
+    os.utime(stamp_file, (1000, 1000))
+    assert cpu_attention._load_cached(build_dir / f"{cpu_attention.EXTENSION}.so", stamp_file, cpu_attention._stamp())
+    assert stamp_file.stat().st_mtime > 1000
+
+
 def test_the_build_key_covers_every_source_and_header(monkeypatch, tmp_path):
     included = {name for src in cpu_attention.SOURCES
                 for name in re.findall(r'#include "([^"]+)"', src.read_text())}
