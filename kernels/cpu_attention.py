@@ -173,6 +173,9 @@ def _build() -> tuple[Callable | None, str]:
     from torch.utils import cpp_extension
 
     build_dir.mkdir(parents=True, exist_ok=True)
+    # (a stamp left from an earlier build of this source would mark the directory finished, and
+    # another process's prune_builds could remove it under this build)
+    (build_dir / "source.sha256").unlink(missing_ok=True)
     started = time.monotonic()
     print(f"pdserve: building the CPU kernels (paged attention, layer ops) into {build_dir} (once per machine; about 20 s)...",
           file=sys.stderr, flush=True)

@@ -389,6 +389,20 @@ def test_a_new_build_removes_the_least_recently_loaded_finished_builds(tmp_path)
     assert cpu_attention.prune_builds(current, keep=2) == []
 
 
+def test_a_rebuild_unmarks_its_directory_until_it_finishes(monkeypatch, tmp_path):
+    """A build into a directory holding an earlier build's stamp (its library gone) removes the stamp
+    first: until the new one is written, prune_builds elsewhere takes the directory for a build
+    under way and leaves it alone. (The compile fails here: CXX is ``false``.)"""
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    build_dir = cpu_attention.cache_dir()
+    build_dir.mkdir(parents=True)
+    (build_dir / "source.sha256").write_text(cpu_attention._stamp() + "\n")
+    module, reason = cpu_attention._build()
+    assert module is None and "failed" in reason
+    assert not (build_dir / "source.sha256").exists()
+
+
 def test_loading_a_cached_build_marks_it_used(cpu):
     """_load_cached touches the stamp file, the time prune_builds ranks builds by."""
     import os
