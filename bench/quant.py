@@ -181,7 +181,8 @@ def decode_rows(runners: dict, context: int, steps: int, batches: tuple[int, ...
                 consecutive: int = 3) -> list[dict]:
     """Per batch and method: the decode step after another method's step (ms, its median, the
     speed-ups over none) and, with ``consecutive`` > 0, the steps that follow the same method's
-    (ms_consecutive and the rest). ``steps`` rounds, methods round-robin within each."""
+    (ms_consecutive and the rest). ``steps`` rounds, methods round-robin within each (with one
+    method, a round's first step follows that method's own previous round)."""
     from engine.batch import SeqChunk
 
     methods = list(runners)

@@ -69,6 +69,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import stat
 import sys
 import threading
 import time
@@ -164,6 +165,9 @@ def _build() -> tuple[Callable | None, str]:
     library = build_dir / f"{EXTENSION}.so"
     if _load_cached(library, build_dir / "source.sha256", stamp):
         return torch.ops.pdserve_attn.paged_attention, ""
+    # No loadable build here: a stamp left from an earlier build of this source would mark the
+    # directory finished, and another process's prune_builds could remove it under this build.
+    (build_dir / "source.sha256").unlink(missing_ok=True)
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         return None, f"no C++ compiler ({compiler!r} not on PATH)"
@@ -173,9 +177,6 @@ def _build() -> tuple[Callable | None, str]:
     from torch.utils import cpp_extension
 
     build_dir.mkdir(parents=True, exist_ok=True)
-    # (a stamp left from an earlier build of this source would mark the directory finished, and
-    # another process's prune_builds could remove it under this build)
-    (build_dir / "source.sha256").unlink(missing_ok=True)
     started = time.monotonic()
     print(f"pdserve: building the CPU kernels (paged attention, layer ops) into {build_dir} (once per machine; about 20 s)...",
           file=sys.stderr, flush=True)
@@ -200,12 +201,16 @@ def prune_builds(current: Path, keep: int = KEEP_BUILDS) -> list[Path]:
     directories removed. A build without a stamp file may be under way in another process and is
     left alone; so is anything that cannot be removed (another user's, a read-only cache). A
     process that loaded a removed build keeps its mapped library; another checkout of that source
-    builds it again on its next start."""
+    builds it again on its next start. The pool spans CPU capabilities and torch versions (a
+    home directory shared by several hosts, a torch upgraded): each host's loads keep its own
+    builds recent. A scan races with a rebuild that starts after it in a listed directory (the
+    rebuild then fails and says why); a build that cannot be removed entirely may be left half."""
     builds = []
     for path in current.parent.glob(current.name.split("-", 1)[0] + "-*"):
         try:
-            if path != current and path.is_dir():
-                builds.append(((path / "source.sha256").stat().st_mtime, path))
+            stamp = (path / "source.sha256").stat(follow_symlinks=False)
+            if path != current and path.is_dir() and not path.is_symlink() and stat.S_ISREG(stamp.st_mode):
+                builds.append((stamp.st_mtime, path))
         except OSError:   # no stamp file: not finished (or not a build)
             continue
     builds.sort(reverse=True)

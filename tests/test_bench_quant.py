@@ -94,12 +94,14 @@ def test_decode_rows_time_a_method_s_consecutive_steps_apart_from_its_first(monk
         def forward(self, chunks):
             clock[0] += next(self.steps) / 1e3
 
-    # warm-up 2, then two rounds of 1 + 2 steps; the first step of each round is the slow one
-    runners = {"none": Runner([99, 99, 13.0, 12.0, 12.0, 13.0, 12.5, 11.5]),
-               "int8": Runner([99, 99, 9.0, 8.0, 7.0, 9.5, 8.5, 7.5])}
-    none, int8 = quant.decode_rows(runners, context=16, steps=2, batches=(1,), consecutive=2)
+    # warm-up 2, then two rounds of 1 + 3 steps; the first step of each round is the slow one,
+    # none's consecutive means differ between rounds (13, 15), and no round's mean is its median
+    runners = {"none": Runner([99, 99, 13.0, 12.0, 11.0, 16.0, 15.0, 14.0, 12.0, 19.0]),
+               "int8": Runner([99, 99, 9.0, 8.0, 7.0, 4.5, 9.5, 9.5, 7.0, 6.5])}
+    none, int8 = quant.decode_rows(runners, context=16, steps=2, batches=(1,), consecutive=3)
     assert (int8["ms"], int8["ms_median"]) == (9.0, 9.25)
-    assert (int8["ms_consecutive"], int8["ms_consecutive_median"]) == (7.0, 7.75)
-    assert int8["speedup_vs_none_consecutive"] == round(11.5 / 7.0, 2)
-    assert int8["speedup_vs_none_consecutive_median"] == round((12.0 / 7.5 + 12.0 / 8.0) / 2, 2)
+    assert (int8["ms_consecutive"], int8["ms_consecutive_median"]) == (4.5, 7.0)
+    assert int8["speedup_vs_none_consecutive"] == round(11.0 / 4.5, 2)
+    # per round: none's mean over int8's mean (13 / 6.5, 15 / 7.67), then their median
+    assert int8["speedup_vs_none_consecutive_median"] == round((13.0 / 6.5 + 15.0 / (23.0 / 3)) / 2, 2) == 1.98
     assert none["speedup_vs_none_consecutive_median"] == 1.0

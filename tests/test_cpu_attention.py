@@ -380,11 +380,21 @@ def test_a_new_build_removes_the_least_recently_loaded_finished_builds(tmp_path)
     current = build("cccccccccccc", loaded_at=100)   # the oldest stamp, but the one just built
     old = [build(f"{i:012d}", loaded_at=1000 + i) for i in range(5)]
     busy = build("bbbbbbbbbbbb")                      # another process's build, not finished
-    other = tmp_path / "notes"
+    other = tmp_path / "notes"                        # stamped, not named as a build
     other.mkdir()
+    (other / "source.sha256").write_text("x\n")
+    os.utime(other / "source.sha256", (1, 1))
+    elsewhere = tmp_path / "elsewhere"                # a stamped build behind a symlink
+    elsewhere.mkdir()
+    (elsewhere / "source.sha256").write_text("x\n")
+    os.utime(elsewhere / "source.sha256", (1, 1))
+    link = tmp_path / "paged_attention-avx512-torch2.13.0_cpu-linklinklink"
+    link.symlink_to(elsewhere, target_is_directory=True)
+    odd = build("dddddddddddd")                       # a directory where the stamp should be
+    (odd / "source.sha256").mkdir()
     removed = cpu_attention.prune_builds(current, keep=2)
     assert sorted(removed) == sorted(old[:3])
-    assert all(p.exists() for p in (current, old[3], old[4], busy, other))
+    assert all(p.exists() for p in (current, old[3], old[4], busy, other, elsewhere / "source.sha256", link, odd))
     assert not any(p.exists() for p in old[:3])
     assert cpu_attention.prune_builds(current, keep=2) == []
 
@@ -409,9 +419,15 @@ def test_loading_a_cached_build_marks_it_used(cpu):
 
     build_dir = cpu_attention.cache_dir()
     stamp_file = build_dir / "source.sha256"
-    os.utime(stamp_file, (1000, 1000))
-    assert cpu_attention._load_cached(build_dir / f"{cpu_attention.EXTENSION}.so", stamp_file, cpu_attention._stamp())
-    assert stamp_file.stat().st_mtime > 1000
+    before = stamp_file.stat().st_mtime
+    os.utime(stamp_file, (before - 3600, before - 3600))   # (an hour back, never far: it is the real cache)
+    try:
+        assert cpu_attention._load_cached(build_dir / f"{cpu_attention.EXTENSION}.so", stamp_file,
+                                          cpu_attention._stamp())
+        assert stamp_file.stat().st_mtime >= before
+    finally:
+        if stamp_file.stat().st_mtime < before:
+            os.utime(stamp_file, (before, before))
 
 
 def test_the_build_key_covers_every_source_and_header(monkeypatch, tmp_path):
