@@ -166,6 +166,17 @@ def test_int8_activation_group_per_projection():
     assert int8_act_group(layer + "self_attn.o_proj", 100) == 100
 
 
+def test_every_int8_activation_group_entry_takes_effect(monkeypatch):
+    """An INT8_ACT_GROUPS entry for a projection outside the fused ones (down_proj here) is read, not
+    ignored (it once was: only the fused projections and o_proj were looked up)."""
+    import engine.quantization.apply as apply
+
+    monkeypatch.setitem(apply.INT8_ACT_GROUPS, "mlp.down_proj", 64)
+    assert apply.int8_act_group("model.layers.3.mlp.down_proj", 1536) == 64
+    assert apply.int8_act_group("model.layers.3.mlp.down_proj", 96) is None   # 64 does not divide 96
+    assert apply.int8_act_group("model.layers.3.mlp.gate_proj", 576) == 576
+
+
 def test_int8_first_rows_compute_the_first_outputs_from_the_same_int8_rows():
     torch.manual_seed(0)
     w = weight().bfloat16()

@@ -59,7 +59,12 @@ tokens): +0.11% against +0.68% for the groups of before (qkv and gate_up 64, hea
 decode step 2-3% faster (Zen 4, 2 threads, A/B in one process, both build orders). down_proj keeps
 32: its inputs, past the SiLU, are not rotated; at 64 outside the six layers whose inputs carry
 the massive activations (2, 9, 10, 11, 28, 29 here: max/median channel amax 48-4,033, the others
-4-28) it cost +0.16% more (unrotated), for ~12% of its 16-row time.
+4-28) it cost +0.16% more (unrotated), for ~12% of its 16-row time. Rotated, all layers (Emerald
+Rapids, 2026-12-07; pdserve eval ppl, 8,192 WikiText-2 tokens): groups of 64 / 128 +0.35% /
++0.41% against +0.14%, and hot 16-row calls 35 -> 25 / 20 us on AMX, but the 16-row decode step
+unchanged (medians 6.27-6.56 ms against 6.28-6.63, each model alone in its process, AMX chosen
+or forced): in the step down_proj's weights stream from L3, and its kernel's compute is not
+what the step waits on.
 
 Measured and not kept (2026-12-06, Zen 4, 2 threads; perplexity on 8,192 tokens each of the
 ShareGPT dev text / WikiText-2 against bf16, where groups of 32 give +0.22% / +0.11%), all to give
@@ -97,9 +102,12 @@ def int8_act_group(name: str, in_features: int) -> int | None:
     ``in_features`` inputs, or None for kernels.linear's default (act_group)."""
     from engine.models import llama
 
-    for fused, parts in {**llama.FUSED_PROJECTIONS, "self_attn.o_proj": ()}.items():
-        if name.endswith(("." + fused,) + tuple("." + p for p in parts)) and fused in INT8_ACT_GROUPS:
-            group = INT8_ACT_GROUPS[fused] or in_features
+    # (every entry of INT8_ACT_GROUPS, a fused projection also under its parts' names: an entry for
+    # mlp.down_proj, say, takes effect rather than being ignored)
+    for projection, group in INT8_ACT_GROUPS.items():
+        parts = llama.FUSED_PROJECTIONS.get(projection, ())
+        if name.endswith(("." + projection,) + tuple("." + p for p in parts)):
+            group = group or in_features
             return group if in_features % group == 0 else None
     return None
 
