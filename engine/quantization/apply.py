@@ -62,9 +62,9 @@ the massive activations (2, 9, 10, 11, 28, 29 here: max/median channel amax 48-4
 4-28) it cost +0.16% more (unrotated), for ~12% of its 16-row time. Rotated, all layers (Emerald
 Rapids, 2026-12-07; pdserve eval ppl, 8,192 WikiText-2 tokens): groups of 64 / 128 +0.35% /
 +0.41% against +0.14%, and hot 16-row calls 35 -> 25 / 20 us on AMX, but the 16-row decode step
-unchanged (medians 6.27-6.56 ms against 6.28-6.63, each model alone in its process, AMX chosen
-or forced): in the step down_proj's weights stream from L3, and its kernel's compute is not
-what the step waits on.
+only 0.22 ms faster on average with 128 on AMX (8 A/B pairs of processes, each model alone,
+medians: -0.48 to +0.10 ms of ~6.6; in the step down_proj's weights stream from L3): not worth
+three times the perplexity cost.
 
 Measured and not kept (2026-12-06, Zen 4, 2 threads; perplexity on 8,192 tokens each of the
 ShareGPT dev text / WikiText-2 against bf16, where groups of 32 give +0.22% / +0.11%), all to give
