@@ -167,7 +167,10 @@ def _build() -> tuple[Callable | None, str]:
         return torch.ops.pdserve_attn.paged_attention, ""
     # No loadable build here: a stamp left from an earlier build of this source would mark the
     # directory finished, and another process's prune_builds could remove it under this build.
-    (build_dir / "source.sha256").unlink(missing_ok=True)
+    try:
+        (build_dir / "source.sha256").unlink(missing_ok=True)
+    except OSError:   # (not a file, not ours: the build below says what is wrong, if anything)
+        pass
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         return None, f"no C++ compiler ({compiler!r} not on PATH)"

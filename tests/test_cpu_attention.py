@@ -413,6 +413,15 @@ def test_a_rebuild_unmarks_its_directory_until_it_finishes(monkeypatch, tmp_path
     assert not (build_dir / "source.sha256").exists()
 
 
+def test_a_build_with_a_directory_where_its_stamp_should_be_returns_a_reason(monkeypatch, tmp_path):
+    """load_extension never raises: an odd stamp path is no exception either."""
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    (cpu_attention.cache_dir() / "source.sha256").mkdir(parents=True)
+    module, reason = cpu_attention._build()
+    assert module is None and reason
+
+
 def test_loading_a_cached_build_marks_it_used(cpu):
     """_load_cached touches the stamp file, the time prune_builds ranks builds by."""
     import os
