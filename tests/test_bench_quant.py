@@ -51,11 +51,9 @@ def test_peaks_are_given_for_the_methods_asked_and_none_for_fp8():
     assert set(gemm_peaks("bfloat16", ["none", "int8"])) == want
 
 
-def test_decode_rows_give_the_best_the_median_and_the_paired_median_ratio(monkeypatch):
-    """Each method's best and median step, and the median over rounds of none's step over the
-    method's in the same round (a clock the fake runners advance: the bench's arithmetic, no model)."""
-    import bench.quant as quant
-
+def fake_runner_class(monkeypatch, quant):
+    """A runner whose forward advances bench.quant's clock by its next step time (ms): the bench's
+    arithmetic, no model."""
     clock = [0.0]
     monkeypatch.setattr(quant.time, "perf_counter", lambda: clock[0])
 
@@ -68,6 +66,15 @@ def test_decode_rows_give_the_best_the_median_and_the_paired_median_ratio(monkey
         def forward(self, chunks):
             clock[0] += next(self.steps) / 1e3
 
+    return Runner
+
+
+def test_decode_rows_give_the_best_the_median_and_the_paired_median_ratio(monkeypatch):
+    """Each method's best and median step, and the median over rounds of none's step over the
+    method's in the same round (a clock the fake runners advance: the bench's arithmetic, no model)."""
+    import bench.quant as quant
+
+    Runner = fake_runner_class(monkeypatch, quant)
     # two warm-up steps each, then three rounds; round 2 is slow for both (a burst of load)
     runners = {"none": Runner([99, 99, 14.0, 28.0, 15.0]), "int8": Runner([99, 99, 10.0, 20.0, 10.5])}
     none, int8 = quant.decode_rows(runners, context=16, steps=3, batches=(1,), consecutive=0)
@@ -82,18 +89,7 @@ def test_decode_rows_time_a_method_s_consecutive_steps_apart_from_its_first(monk
     after it in ms_consecutive; the paired ratio is per round, of the consecutive steps' means."""
     import bench.quant as quant
 
-    clock = [0.0]
-    monkeypatch.setattr(quant.time, "perf_counter", lambda: clock[0])
-
-    class Runner:
-        attention_backend = "cpp"
-
-        def __init__(self, steps_ms):
-            self.steps = iter(steps_ms)
-
-        def forward(self, chunks):
-            clock[0] += next(self.steps) / 1e3
-
+    Runner = fake_runner_class(monkeypatch, quant)
     # warm-up 2, then two rounds of 1 + 3 steps; the first step of each round is the slow one,
     # none's consecutive means differ between rounds (13, 15), and no round's mean is its median
     runners = {"none": Runner([99, 99, 13.0, 12.0, 11.0, 16.0, 15.0, 14.0, 12.0, 19.0]),

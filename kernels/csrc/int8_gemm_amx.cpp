@@ -95,6 +95,24 @@ struct Activations {
   int64_t at(int64_t m, int64_t g) const { return (m >> 2) * groups * 4 + g * 4 + (m & 3); }
 };
 
+// out[r0 + r, col0 + 16 t ..] for r < rows, t < nt (clipped at n) from one group's int32 sums
+// (isum: `ld` int32 a row, tile t's columns at 16 t): bf16(fma(float(corr + sum), sx, 0) * wscale),
+// w8a8_gemm's arithmetic for one scale per token (unit_pass's and large_block's output).
+inline void store_one_group(const Activations& a, const int32_t* isum, int64_t ld, int64_t r0, int rows, int nt,
+                            const float* wscale, const pdserve_gemm_out::OutRows& out, int64_t col0, int64_t n) {
+  for (int t = 0; t < nt; ++t) {
+    const int64_t col = col0 + 16 * t;
+    if (col >= n) break;
+    const __m512 ws = _mm512_loadu_ps(wscale + col);
+    const __mmask16 mask = pdserve_gemm_out::columns_mask(n - col);
+    for (int r = 0; r < rows; ++r) {
+      const __m512i v = _mm512_add_epi32(_mm512_load_si512(isum + r * ld + 16 * t), _mm512_set1_epi32(a.corr[a.at(r0 + r, 0)]));
+      const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(a.sx[a.at(r0 + r, 0)]), _mm512_setzero_ps());
+      out.store(r0 + r, col, mask, _mm512_mul_ps(f, ws));
+    }
+  }
+}
+
 // One pass of `rows` rows (from row r0) over one unit of NT column tiles: out[r0 + r, col0 + j]
 // for j < 16 NT (clipped at n). w: the unit's first tile (tile_stride bytes apart); next: a unit
 // after this one, prefetched into L2 at the pace this one is read (nullptr: none). isum: 16 x 64
@@ -141,17 +159,7 @@ void unit_pass(const Activations& a, int64_t r0, int rows, int64_t group, int64_
     if constexpr (NT > 2) _tile_stored(2, isum + 32, 64 * 4);
     if constexpr (NT > 3) _tile_stored(3, isum + 48, 64 * 4);
     if (groups == 1) {   // one scale per token: straight to the output (no fp32 accumulator pass)
-      for (int t = 0; t < NT; ++t) {
-        const int64_t col = col0 + 16 * t;
-        if (col >= n) break;
-        const __m512 ws = _mm512_loadu_ps(wscale + col);
-        const __mmask16 mask = pdserve_gemm_out::columns_mask(n - col);
-        for (int r = 0; r < rows; ++r) {
-          const __m512i v = _mm512_add_epi32(_mm512_load_si512(isum + r * 64 + 16 * t), _mm512_set1_epi32(a.corr[a.at(r0 + r, 0)]));
-          const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(a.sx[a.at(r0 + r, 0)]), _mm512_setzero_ps());
-          out.store(r0 + r, col, mask, _mm512_mul_ps(f, ws));
-        }
-      }
+      store_one_group(a, isum, 64, r0, rows, NT, wscale, out, col0, n);
       return;
     }
     for (int r = 0; r < rows; ++r) {   // w8a8_gemm's arithmetic: fma(float(corr + sum), sx, acc)
@@ -237,18 +245,7 @@ void large_block(const Activations& a, int64_t r0, int64_t m, int64_t kstep, con
     _tile_stored(1, isum + 16, 32 * 4);
     _tile_stored(3, isum + 16 * 32 + 16, 32 * 4);
   }
-  const int rows = static_cast<int>(std::min<int64_t>(32, m - r0));
-  for (int t = 0; t < NT; ++t) {
-    const int64_t col = col0 + 16 * t;
-    if (col >= n) break;
-    const __m512 ws = _mm512_loadu_ps(wscale + col);
-    const __mmask16 mask = pdserve_gemm_out::columns_mask(n - col);
-    for (int r = 0; r < rows; ++r) {
-      const __m512i v = _mm512_add_epi32(_mm512_load_si512(isum + r * 32 + 16 * t), _mm512_set1_epi32(a.corr[a.at(r0 + r, 0)]));
-      const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(a.sx[a.at(r0 + r, 0)]), _mm512_setzero_ps());
-      out.store(r0 + r, col, mask, _mm512_mul_ps(f, ws));
-    }
-  }
+  store_one_group(a, isum, 32, r0, static_cast<int>(std::min<int64_t>(32, m - r0)), NT, wscale, out, col0, n);
 }
 
 // out [m, n] from the quantized rows [0, ldq) (ldq a multiple of 32) of one group (a.groups == 1).
