@@ -26,8 +26,9 @@
 // the output, as large_block's do (the same bits: fma(x, sx, 0) then wscale), with no fp32 block to
 // zero, load and store: the 91 such calls of the rotated model's 16-row decode step (qkv, o,
 // gate/up, LM head; context 128, Emerald Rapids, torch.profiler self time, least of 5 x 10 steps)
-// 2.85-3.34 -> 2.50-2.65 ms; hot 16-row calls, 2 threads: 576 x 960 19 -> 15 us. Rows beyond 16 take passes of equal size over each unit while it
-// is in cache; the next units stream into L2 meanwhile.
+// 2.85-3.34 -> 2.50-2.65 ms; hot 16-row calls, 2 threads: 576 x 960 19 -> 15 us. Rows beyond 16
+// take passes of equal size over each unit while it is in cache; the next units stream into L2
+// meanwhile.
 //
 // One scale per token from 32 rows (a prefill, a 32-row decode): large_gemm's 32 x 32 blocks, two
 // A and two B tiles feeding four products, the weight panel in L1 across every row block. At 512
