@@ -10,9 +10,9 @@ averages are printed beside them):
 - linears of a step: every linear of the loaded model (30 layers' qkv, o, gate/up, down and the
   LM head) called on B rows, each with the kernel the model chose at load, per method; each
   weight is read once per pass (the model's 135-270 MB), so every call finds its weight out of the
-  core's caches as a decode step does. Per call the least time over --steps passes (methods round-robin), summed per projection
-  and in all, with the GB/s of weight that makes: the GEMM share of the decode step, in hardware
-  terms, without attention and the small ops;
+  core's caches as a decode step does. Per call the least time over --steps passes (methods
+  round-robin), summed per projection and in all, with the GB/s of weight that makes: the GEMM
+  share of the decode step, in hardware terms, without attention and the small ops;
 - decode step: one ModelRunner forward of B decode tokens (B = ``--batch-sizes``, default 1, 16,
   32; ``--context`` tokens of context each) per --quantization method at --dtype, best of
   --steps, and its speed-up over ``none``; also the median step and the median of each round's
@@ -22,10 +22,10 @@ averages are printed beside them):
   ``--consecutive`` more of its steps, timed apart (the previous step was the same model's, as in
   a server). The two differ where the last-level cache holds much of a model: on a 300 MiB L3 the
   INT8 model's 135 MB can stay there from one step to the next, bf16's 270 MB mostly cannot; on a
-  32 MB L3 they agree. Beside it: the step's linears (the table
-  above), the rest of the step, the linears' floor (their weight bytes at the run's best
-  streaming read, or their operations at the method's GEMM peak, whichever is longer:
-  bench/floors.py) and the speed-up those floors allow (``add_floor``).
+  32 MB L3 they agree. Beside it: the step's linears (the table above), the rest of the step, the
+  linears' floor (their weight bytes at the run's best streaming read, or their operations at the
+  method's GEMM peak, whichever is longer: bench/floors.py) and the speed-up those floors allow
+  (``add_floor``).
 
 Writes JSON (``--json``). Speed is measured here, never in tests.
 """
@@ -206,6 +206,7 @@ def decode_rows(runners: dict, context: int, steps: int, batches: tuple[int, ...
                 if run:
                     runs[m].append(run)
         best = {m: min(t) for m, t in times.items()}
+        steady = {m: [t for run in rs for t in run] for m, rs in runs.items() if rs}   # each method's consecutive steps
         for m in methods:
             row = {"batch": batch, "method": m, "ms": round(best[m] * 1e3, 2),
                    "ms_median": round(statistics.median(times[m]) * 1e3, 2), "context": context,
@@ -214,13 +215,11 @@ def decode_rows(runners: dict, context: int, steps: int, batches: tuple[int, ...
             if "none" in times:   # a round's steps run one after another: their ratio sees the same host minute
                 row["speedup_vs_none_median"] = round(statistics.median(
                     n / t for n, t in zip(times["none"], times[m])), 2)
-            if runs[m]:
-                steady = [t for run in runs[m] for t in run]
-                row.update(ms_consecutive=round(min(steady) * 1e3, 2),
-                           ms_consecutive_median=round(statistics.median(steady) * 1e3, 2))
-                if "none" in runs:   # per round, none's mean consecutive step over the method's
-                    row["speedup_vs_none_consecutive"] = round(
-                        min(t for run in runs["none"] for t in run) / min(steady), 2)
+            if m in steady:
+                row.update(ms_consecutive=round(min(steady[m]) * 1e3, 2),
+                           ms_consecutive_median=round(statistics.median(steady[m]) * 1e3, 2))
+                if "none" in steady:   # per round, none's mean consecutive step over the method's
+                    row["speedup_vs_none_consecutive"] = round(min(steady["none"]) / min(steady[m]), 2)
                     row["speedup_vs_none_consecutive_median"] = round(statistics.median(
                         statistics.fmean(n) / statistics.fmean(t) for n, t in zip(runs["none"], runs[m])), 2)
             out.append(row)
