@@ -40,6 +40,16 @@
 // Measured and not kept (branch old/int8-amx-grouped-s36): groups at 16 rows with the epilogue of
 // one group overlapping the next group's products (two sets of C tiles: down_proj hot 40 -> 33
 // us, the decode step unchanged), 3-tile units where they split 2 threads more evenly (noise).
+// Nor (2026-12-07, Emerald Rapids, 2 threads): each thread an equal range of tiles rather than of
+// whole units (o_proj's 36 tiles split 20 / 16 -> 18 / 18, qkv's 60 32 / 28 -> 30 / 30): the
+// linears alone, cold, unchanged (o_proj 0.56-0.64 -> 0.56-0.59 ms, qkv 0.70-0.81 -> 0.68-0.74,
+// bench quant, 3 A/B runs): they are memory-bound, and the thread with fewer tiles leaves the other
+// the whole bandwidth. Nor a decode call's quantization shared by the threads of the product's
+// region (4-row blocks claimed off a counter, then a wait for all): the 16-row step's median
+// 6.22-6.48 -> 6.37-6.54 ms (6 A/B pairs of processes, each model alone), though the quantization
+// is ~0.25 ms of it (skipped outright, a timing hack: 6.42-6.60 -> 6.05-6.36): the rows then cross
+// between the cores' caches twice (x to a quantizing thread, its rows back), where the calling
+// thread reads x from its own.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

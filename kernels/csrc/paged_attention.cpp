@@ -1224,6 +1224,8 @@ void prefetch_first_blocks(const Item& f, int64_t j, const Call<Q, KV>& c) {
 // PDSERVE_ATTN_AMX_DECODE=0 (read at each call) keeps attend_item (A/B, tests).
 constexpr int kDecodeAmxMaxHeads = 3;
 
+// (One a call and thread. Kept across calls as the thread's own, thread_local, it did not change
+// the 16 x 128-context call: 44.6 against 44.5 us hot, Emerald Rapids, 2026-12-07.)
 struct DecodeScratch {
   std::vector<float> st;       // S^T of a partition: [keys][16]
   std::vector<float> sr;       // one row's scores
@@ -1845,7 +1847,9 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, 
   c.k_scale = k_scale ? k_scale->data_ptr<float>() : nullptr;
   c.v_scale = v_scale ? v_scale->data_ptr<float>() : nullptr;
   c.scale_heads = k_scale ? k_scale->numel() : 1;
-  const char* l2 = std::getenv("PDSERVE_ATTN_L2_AHEAD");   // a tuning knob for A/B runs (2 and 8 measured as 4)
+  // a tuning knob for A/B runs: 2 and 8 measured as 4; 12 too in the 16-row decode step after
+  // another model's step, its KV from DRAM (bench quant, Emerald Rapids, 2026-12-07)
+  const char* l2 = std::getenv("PDSERVE_ATTN_L2_AHEAD");
   c.l2_ahead = c.fp32_pv ? 1 : std::max(1, l2 != nullptr ? std::atoi(l2) : PDSERVE_ATTN_L2_AHEAD);
   const int64_t n_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
