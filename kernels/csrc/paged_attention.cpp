@@ -1222,6 +1222,11 @@ void prefetch_first_blocks(const Item& f, int64_t j, const Call<Q, KV>& c) {
 // Tiles, all 16 rows x 64 bytes: QK C 0, A 1, B 2 .. 2 + nh D / 32 - 1 (the queries, loaded at
 // each partition); PV C 0 .. D / 16 - 1, A 4, B 5-7 in turn. Up to 8 rows a KV head.
 // PDSERVE_ATTN_AMX_DECODE=0 (read at each call) keeps attend_item (A/B, tests).
+// Measured and not kept (2026-12-07, Emerald Rapids, 16 x 128-context calls, 2 threads): S^T of
+// four 16-key tiles at once, one C tile each (the query B tiles loaded from L1 per window, two A
+// tiles in turn), so that a key tile's products are no longer one dependency chain: the same bits
+// (144 shapes), hot 49.9 -> 50.8 us, with its cache from L3 69 -> 73 us: the products wait on the
+// K rows' tile loads, not on each other.
 constexpr int kDecodeAmxMaxHeads = 3;
 
 // (One a call and thread. Kept across calls as the thread's own, thread_local, it did not change
