@@ -25,7 +25,10 @@ averages are printed beside them):
   32 MB L3 they agree. Beside it: the step's linears (the table above), the rest of the step, the
   linears' floor (their weight bytes at the run's best streaming read, or their operations at the
   method's GEMM peak, whichever is longer: bench/floors.py) and the speed-up those floors allow
-  (``add_floor``).
+  (``add_floor``);
+- with ``--isolated N``: the decode step of each method alone in its own process, N rounds,
+  methods alternating (bench/isolated_step.py): what a server's steps see, where the tables above
+  hold every method's model in one process.
 
 Writes JSON (``--json``). Speed is measured here, never in tests.
 """
@@ -40,6 +43,7 @@ from pathlib import Path
 
 import typer
 
+from bench.isolated_step import isolated_rows, print_rows, run_process
 from bench.options import int_list, name_list
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))   # (out, in): fused qkv, o, fused gate/up, down
@@ -59,6 +63,11 @@ def command(
     threads: int = typer.Option(0, "--threads", help="torch threads (0 = the cores this process may use)."),
     skip_linear: bool = typer.Option(False, "--skip-linear",
                                      help="Skip the per-kernel table (the step's linears and the decode step remain)."),
+    isolated: int = typer.Option(0, "--isolated", min=0,
+                                 help="Rounds of each method's decode steps alone in its own process (as served; "
+                                      "bench/isolated_step.py); 0: none."),
+    isolated_steps: int = typer.Option(200, "--isolated-steps", min=1,
+                                       help="Consecutive decode steps a process times per batch size (--isolated)."),
     json_out: Path = typer.Option(Path("out/bench_quant.json"), "--json"),
 ) -> None:
     """Linear kernels and decode step per quantization method."""
@@ -86,6 +95,12 @@ def command(
     add_floor(result["decode"], result["linears"], max(result["read_GBps_before"], result["read_GBps_after"]),
               result["gemm_peak_GOPS"])
     _print_decode(result["decode"], result)
+    if isolated:
+        del runners   # (their memory back before the processes start)
+        rounds = [{m: run_process(model, m, dtype, context, list(batches), isolated_steps, torch.get_num_threads())
+                   for m in names} for _ in range(isolated)]
+        result["isolated"] = isolated_rows(rounds)
+        print_rows(result["isolated"])
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {json_out}")

@@ -101,3 +101,36 @@ def test_decode_rows_time_a_method_s_consecutive_steps_apart_from_its_first(monk
     # per round: none's mean over int8's mean (13 / 6.5, 15 / 7.67), then their median
     assert int8["speedup_vs_none_consecutive_median"] == round((13.0 / 6.5 + 15.0 / (23.0 / 3)) / 2, 2) == 1.98
     assert none["speedup_vs_none_consecutive_median"] == 1.0
+
+
+def test_isolated_rows_pair_each_round_s_processes():
+    """bench quant --isolated: per batch and method the least step, the median over rounds of each
+    process's median, and the per-round ratio of none's median to the method's (adjacent processes)
+    as its median, least and most (the bench's arithmetic, no model)."""
+    from bench.isolated_step import isolated_rows
+
+    ms = 1e-3
+    rounds = [   # round 2 is a slow host minute for both; int8's round 3 has one stray slow step
+        {"none": {16: [12 * ms, 10 * ms, 11 * ms]}, "int8": {16: [7 * ms, 6 * ms, 6.5 * ms]}},
+        {"none": {16: [20 * ms, 22 * ms, 21 * ms]}, "int8": {16: [14 * ms, 14 * ms, 15 * ms]}},
+        {"none": {16: [11 * ms, 11 * ms, 12 * ms]}, "int8": {16: [6 * ms, 40 * ms, 5.5 * ms]}},
+    ]
+    none, int8 = isolated_rows(rounds)
+    assert (none["batch"], none["rounds"], none["steps"]) == (16, 3, 3)
+    assert (none["ms"], none["ms_median"], none["speedup_vs_none_median"]) == (10.0, 11.0, 1.0)
+    # int8's process medians: 6.5, 14, 6 -> their median 6.5; per round 11 / 6.5, 21 / 14, 11 / 6
+    assert (int8["ms"], int8["ms_median"]) == (5.5, 6.5)
+    assert int8["speedup_vs_none_median"] == round(11 / 6.5, 2) == 1.69
+    assert (int8["speedup_vs_none_least"], int8["speedup_vs_none_most"]) == (1.5, round(11 / 6, 2))
+
+
+def test_an_isolated_process_times_real_decode_steps_and_reports_a_failure():
+    """run_process starts bench.isolated_step in its own Python: the real model's decode steps come
+    back as seconds per batch size; a child that fails (an unknown method) raises with its error."""
+    from bench.isolated_step import run_process
+
+    steps = run_process("smollm2-135m-instruct", "none", "bfloat16", 16, [1, 2], 3, 2)
+    assert sorted(steps) == [1, 2] and all(len(ts) == 3 and all(0 < t < 10 for t in ts) for ts in steps.values())
+    unknown = r"isolated_step \(int4\) exited [1-9]: UserError: --quantization: unknown method 'int4'"
+    with pytest.raises(RuntimeError, match=unknown):
+        run_process("smollm2-135m-instruct", "int4", "bfloat16", 16, [1], 1, 2)
