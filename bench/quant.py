@@ -95,14 +95,15 @@ def command(
     add_floor(result["decode"], result["linears"], max(result["read_GBps_before"], result["read_GBps_after"]),
               result["gemm_peak_GOPS"])
     _print_decode(result["decode"], result)
+    json_out.parent.mkdir(parents=True, exist_ok=True)
+    json_out.write_text(json.dumps(result, indent=2) + "\n")   # (kept should a process below fail)
     if isolated:
         del runners   # (their memory back before the processes start)
         rounds = [{m: run_process(model, m, dtype, context, list(batches), isolated_steps, torch.get_num_threads())
                    for m in names} for _ in range(isolated)]
         result["isolated"] = isolated_rows(rounds)
         print_rows(result["isolated"])
-    json_out.parent.mkdir(parents=True, exist_ok=True)
-    json_out.write_text(json.dumps(result, indent=2) + "\n")
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {json_out}")
 
 
