@@ -9,7 +9,9 @@ period), then the next. Before the first server starts, the machine's GEMM peak 
 bandwidth are measured (bench/floors.py); each server's row gives its throughput as a ratio of
 the first server's (the reference) and as a fraction of the workload's floor on this machine
 (prefill FLOPs / GEMM peak + decode steps x weight bytes / bandwidth). Prints one side-by-side
-table and writes JSON.
+table and writes JSON. With ``--rounds N`` the whole sequence runs N times (a table per round),
+then a table of each server's median over rounds and its ratio to the reference within each round
+(``rounds_summary``).
 
 A command is a shell line with ``{port}`` where the server's HTTP port goes, e.g.::
 
@@ -29,6 +31,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -76,6 +79,9 @@ def command(
     model: Annotated[str, typer.Option(help="The served model (its config sizes the floor).")] = "smollm2-135m-instruct",
     floors: Annotated[bool, typer.Option(help="Measure GEMM peak and bandwidth first; report each "
                                               "server's fraction of the workload's floor.")] = True,
+    rounds: Annotated[int, typer.Option(help="Times the whole sequence of servers runs (each round starts "
+                                              "every server once, in order); above 1, also each server's "
+                                              "median over rounds and its per-round ratio to the reference.")] = 1,
     engine_row: Annotated[bool, typer.Option(help="Last, a row 'engine-only': the same prompts closed loop on "
                                                   "one LLMEngine with serve's defaults, no server "
                                                   "(bench/closed_loop.py): what serving adds.")] = False,
@@ -84,33 +90,45 @@ def command(
     specs = [ServerSpec.parse(s) for s in server]
     if len({s.name for s in specs}) != len(specs):
         raise UserError("--server: names must be distinct")
-    if num_prompts < 1 or max_tokens < 1 or max_concurrency < 1:
-        raise UserError("--num-prompts, --max-tokens and --max-concurrency must be >= 1")
+    if num_prompts < 1 or max_tokens < 1 or max_concurrency < 1 or rounds < 1:
+        raise UserError("--num-prompts, --max-tokens, --max-concurrency and --rounds must be >= 1")
     machine = _measure_machine() if floors else None
     model_cfg = _model_config(model) if floors else None
-    results = []
-    for spec in specs:
-        print(f"pdserve bench peers: {spec.name}: starting", file=sys.stderr, flush=True)
-        out = run_one(spec, port, num_prompts, max_tokens, max_concurrency, ignore_eos, num_warmups,
-                      dataset_path, log_dir)
-        if machine is not None:
-            add_floor(out, model_cfg, max_tokens, max_concurrency, machine)
-        results.append(out)
-    if engine_row:
-        print("pdserve bench peers: engine-only: starting", file=sys.stderr, flush=True)
-        out = run_engine_row(model, num_prompts, max_tokens, max_concurrency, ignore_eos, num_warmups, dataset_path)
-        if machine is not None and "result" in out:
-            add_floor(out, model_cfg, max_tokens, max_concurrency, machine)
-        results.append(out)
+    all_rounds = []
+    for r in range(rounds):
+        tag = f" (round {r + 1} of {rounds})" if rounds > 1 else ""
+        results = []
+        for spec in specs:
+            print(f"pdserve bench peers: {spec.name}: starting{tag}", file=sys.stderr, flush=True)
+            out = run_one(spec, port, num_prompts, max_tokens, max_concurrency, ignore_eos, num_warmups,
+                          dataset_path, log_dir)
+            if machine is not None:
+                add_floor(out, model_cfg, max_tokens, max_concurrency, machine)
+            results.append(out)
+        if engine_row:
+            print(f"pdserve bench peers: engine-only: starting{tag}", file=sys.stderr, flush=True)
+            out = run_engine_row(model, num_prompts, max_tokens, max_concurrency, ignore_eos, num_warmups,
+                                 dataset_path)
+            if machine is not None and "result" in out:
+                add_floor(out, model_cfg, max_tokens, max_concurrency, machine)
+            results.append(out)
+        all_rounds.append(results)
+        if machine is not None and r == 0:
+            print(floors_line(machine, results))
+        if tag:
+            print(f"round {r + 1} of {rounds}:")
+        print(peers_table(results))
+        print(rss_breakdown(results))
+        print(cpu_breakdown(results))
     doc = {"machine": machine_info(), "workload": {"dataset": "sharegpt", "num_prompts": num_prompts,
                                                    "max_tokens": max_tokens, "max_concurrency": max_concurrency,
-                                                   "ignore_eos": ignore_eos}, "servers": results}
+                                                   "ignore_eos": ignore_eos}, "servers": all_rounds[0]}
     if machine is not None:
         doc["machine"]["floors"] = asdict(machine)
-        print(floors_line(machine, results))
-    print(peers_table(results))
-    print(rss_breakdown(results))
-    print(cpu_breakdown(results))
+    if rounds > 1:
+        doc["rounds"] = all_rounds
+        doc["summary"] = rounds_summary(all_rounds)
+        print(rounds_table(doc["summary"], rounds))
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(doc, indent=2))
@@ -356,6 +374,41 @@ def cpu_breakdown(results: list[dict[str, Any]]) -> str:
     lines = ["CPU during each measurement (s; 'other': the host's busy CPU outside the server and the client):"]
     lines += [usage_line(r["name"], r["cpu"]) for r in results if "cpu" in r]
     return "\n".join(lines)
+
+
+def rounds_summary(all_rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per server (in the first round's order), over the rounds it served in: its median output
+    tok/s, and the median, least and most of its per-round ratio to the round's first server (the
+    reference, measured minutes apart rather than a whole run apart). Why: one run of a short
+    workload moves with the host (vLLM's own rate moved 394-529 tok/s between five 32-prompt runs
+    on one host, 2026-12-07), and a ratio taken within a round sees the same host minutes."""
+    def tput(row: dict[str, Any]) -> float | None:
+        return (row.get("result") or {}).get("output_throughput")
+
+    out = []
+    for i, first in enumerate(all_rounds[0]):
+        tputs = [t for rnd in all_rounds if (t := tput(rnd[i])) is not None]
+        ratios = [t / ref for rnd in all_rounds
+                  if (t := tput(rnd[i])) is not None and (ref := tput(rnd[0]))]
+        row: dict[str, Any] = {"name": first["name"], "rounds": len(tputs),
+                               "output_throughput_median": statistics.median(tputs) if tputs else None}
+        if ratios:
+            row.update(ratio_median=statistics.median(ratios), ratio_least=min(ratios), ratio_most=max(ratios))
+        out.append(row)
+    return out
+
+
+def rounds_table(summary: list[dict[str, Any]], rounds: int) -> str:
+    """rounds_summary as text: a row per server."""
+    rows = [f"over {rounds} rounds (each round: every server once, in order): the median output tok/s, and the "
+            "median, least and most of the ratio to the first server within a round",
+            f"{'server':<20}{'rounds':>7}{'out tok/s':>11}{'ratio':>7}{'least':>7}{'most':>7}"]
+    for r in summary:
+        tput = r["output_throughput_median"]
+        cells = (f"{r['ratio_median']:>7.2f}{r['ratio_least']:>7.2f}{r['ratio_most']:>7.2f}"
+                 if "ratio_median" in r else f"{'-':>7}{'-':>7}{'-':>7}")
+        rows.append(f"{r['name']:<20}{r['rounds']:>7}{(f'{tput:.1f}' if tput is not None else 'error'):>11}{cells}")
+    return "\n".join(rows)
 
 
 def peers_table(results: list[dict[str, Any]]) -> str:

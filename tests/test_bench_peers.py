@@ -29,6 +29,40 @@ def test_table_gives_ratios_to_the_first_server_and_shows_errors():
     assert "1.00" in lines[2] and "1.50" in lines[3] and "server exited" in lines[4]
 
 
+def test_rounds_summary_takes_each_ratio_within_its_round():
+    """bench peers --rounds: per server its median output tok/s over the rounds it served in, and the
+    median, least and most of its ratio to the round's first server (a round where the reference
+    failed gives no ratio; a server's failed round is left out of its figures)."""
+    from bench.peers import rounds_summary, rounds_table
+
+    def row(name, tput):
+        return {"name": name, "result": {"output_throughput": tput}} if tput else {"name": name, "error": "x"}
+
+    rounds = [[row("vllm", 400.0), row("int8", 600.0)],   # a slow host minute for both
+              [row("vllm", 520.0), row("int8", 780.0)],
+              [row("vllm", None), row("int8", 800.0)],    # the reference failed
+              [row("vllm", 500.0), row("int8", None)],    # int8 failed
+              [row("vllm", 480.0), row("int8", 816.0)]]
+    vllm, int8 = rounds_summary(rounds)
+    assert (vllm["rounds"], vllm["output_throughput_median"], vllm["ratio_median"]) == (4, 490.0, 1.0)
+    assert (int8["rounds"], int8["output_throughput_median"]) == (4, 790.0)
+    # ratios within rounds 1, 2 and 5: 1.5, 1.5, 1.7 (round 3 has no reference, round 4 no int8)
+    assert (int8["ratio_median"], int8["ratio_least"], int8["ratio_most"]) == (1.5, 1.5, 1.7)
+    table = rounds_table([vllm, int8], 5).splitlines()
+    assert table[2].split() == ["vllm", "4", "490.0", "1.00", "1.00", "1.00"]
+    assert table[3].split() == ["int8", "4", "790.0", "1.50", "1.50", "1.70"]
+    failed = rounds_summary([[row("vllm", 400.0), row("broken", None)]])[1]
+    assert failed["output_throughput_median"] is None and "ratio_median" not in failed
+    assert rounds_table([failed], 1).splitlines()[2].split() == ["broken", "0", "error", "-", "-", "-"]
+
+
+def test_rounds_must_be_at_least_one():
+    from bench.peers import command
+
+    with pytest.raises(UserError, match="--rounds"):
+        command(server=["a=x {port}"], rounds=0, floors=False)
+
+
 def test_rss_sampler_counts_child_processes():
     child = subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(64 * 2**20); time.sleep(30)"])
     try:
