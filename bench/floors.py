@@ -26,6 +26,11 @@ from typing import Callable, Sequence
 GEMM_SIZE = 1536   # M = N = K of the GEMM probe (bench engine's default)
 MEMCPY_MIB = 512   # size of the bandwidth probe's tensor
 READ_MIB = 512     # size of the read probe's tensor (16x the 32 MiB L3)
+GEMM_WARMUP_S = 0.25
+"""Untimed GEMM calls of a peak probe until this long has passed. Why: the first calls of a process
+run slow (1536^3 on 2 threads of Emerald Rapids, 2026-12-07: bf16 torch.mm ~1,250-1,600 GFLOP/s
+for 2 calls, then 2,800-3,150; torch._int_mm ~600-1,700 GOP/s for 3-4 calls, then 3,000-3,800 after
+~9): one warm-up call and the best of 4 reported int8 peaks of 1,624-3,477 in one stop."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +120,7 @@ def measure_int8_gemm_peak(n: int = GEMM_SIZE, repeats: int = 4) -> float | None
         return None
     a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
     b = torch.randint(-127, 128, (n, n), dtype=torch.int8)
-    return 2 * n**3 / best_time(lambda: torch._int_mm(a, b), repeats)
+    return 2 * n**3 / best_time(lambda: torch._int_mm(a, b), repeats, GEMM_WARMUP_S)
 
 
 # ---- the probes and the model's operation counts (bench engine, quant and peers use them) ----
@@ -130,7 +135,7 @@ def probe_floors(dtypes: list[str], n: int, memcpy_mib: int, int8: bool = False)
     for name in dtypes:
         dt = getattr(torch, name)
         a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
-        best = best_time(lambda: torch.mm(a, b), 4)
+        best = best_time(lambda: torch.mm(a, b), 4, GEMM_WARMUP_S)
         gemm[name] = 2 * n**3 / best
     int8_peak = measure_int8_gemm_peak(n) if int8 else None
     if int8_peak is not None:
@@ -142,9 +147,13 @@ def probe_floors(dtypes: list[str], n: int, memcpy_mib: int, int8: bool = False)
             "memcpy_mib": memcpy_mib}
 
 
-def best_time(fn: Callable[[], object], repeats: int) -> float:
-    """Seconds of the fastest of ``repeats`` calls of fn, after one untimed call."""
+def best_time(fn: Callable[[], object], repeats: int, warmup_s: float = 0.0) -> float:
+    """Seconds of the fastest of ``repeats`` calls of fn, after untimed calls: one, or as many as
+    ``warmup_s`` seconds take (at least one)."""
+    start = time.perf_counter()
     fn()
+    while time.perf_counter() - start < warmup_s:
+        fn()
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()

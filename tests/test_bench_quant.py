@@ -134,3 +134,26 @@ def test_an_isolated_process_times_real_decode_steps_and_reports_a_failure():
     unknown = r"isolated_step \(int4\) exited [1-9]: UserError: --quantization: unknown method 'int4'"
     with pytest.raises(RuntimeError, match=unknown):
         run_process("smollm2-135m-instruct", "int4", "bfloat16", 16, [1], 1, 2)
+
+
+def test_best_time_warms_up_for_the_time_asked_before_timing(monkeypatch):
+    """A GEMM probe's first calls run slow (a process's first oneDNN calls); best_time keeps calling
+    untimed until warmup_s has passed, so a slow start never becomes the peak. On a fake clock: calls
+    take 50, 40, 30 ms, then 2 ms."""
+    import bench.floors as floors
+
+    clock = [0.0]
+    durations = iter([0.050, 0.040, 0.030] + [0.002] * 20)
+    calls = []
+
+    def fn():
+        calls.append(clock[0])
+        clock[0] += next(durations)
+
+    monkeypatch.setattr(floors.time, "perf_counter", lambda: clock[0])
+    assert floors.best_time(fn, repeats=2, warmup_s=0.1) == pytest.approx(0.002)
+    assert len(calls) == 5                      # 50 + 40 + 30 ms untimed (past 0.1 s), then 2 timed
+    durations = iter([0.050, 0.040, 0.030])
+    calls.clear()
+    assert floors.best_time(fn, repeats=2) == pytest.approx(0.030)   # default: one untimed call
+    assert len(calls) == 3
