@@ -27,25 +27,40 @@ WARMUP = 20
 """Untimed decode steps per batch size before the timed ones (kernel choice, caches, allocator)."""
 
 
+def _blocks_per_seq(context: int) -> int:
+    return -(-(context + 1) // 16)   # the context and the step's token, in blocks of 16
+
+
+def decode_runner(model: str, method: str, dtype, context: int, max_batch: int):
+    """A ModelRunner with --quantization ``method`` (dtype: a torch dtype) and cache blocks for
+    ``max_batch`` sequences of decode_chunks(context, ...) (bench quant's runners too)."""
+    from engine.model_runner import ModelRunner
+
+    return ModelRunner(model, num_blocks=max_batch * _blocks_per_seq(context), dtype=dtype, quantization=method)
+
+
+def decode_chunks(context: int, batch: int) -> list:
+    """One decode step's chunks: ``batch`` sequences of ``context`` tokens, one new token each,
+    sequence b on its own blocks (the same ones every step: a step's timing, not a generation)."""
+    from engine.batch import SeqChunk
+
+    n = _blocks_per_seq(context)
+    return [SeqChunk([100 + b], context, list(range(b * n, (b + 1) * n)), 1) for b in range(batch)]
+
+
 def time_steps(model: str, method: str, dtype: str, context: int, batches: list[int],
                steps: int) -> dict[int, list[float]]:
-    """Seconds of each of ``steps`` consecutive decode steps per batch size: one ModelRunner with
-    ``method``, ``batch`` sequences of ``context`` tokens each (their blocks reused step after
-    step, as bench quant's decode table does), after WARMUP untimed steps."""
+    """Seconds of each of ``steps`` consecutive decode steps per batch size: one decode_runner with
+    ``method``, decode_chunks(context, batch) (as bench quant's decode table), after WARMUP untimed
+    steps."""
     import time
 
     import torch
 
-    from engine.batch import SeqChunk
-    from engine.model_runner import ModelRunner
-
-    blocks_per_seq = -(-(context + 1) // 16)
-    runner = ModelRunner(model, num_blocks=max(batches) * blocks_per_seq, dtype=getattr(torch, dtype),
-                         quantization=method)
+    runner = decode_runner(model, method, getattr(torch, dtype), context, max(batches))
     out: dict[int, list[float]] = {}
     for batch in batches:
-        chunks = [SeqChunk([100 + b], context, list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)), 1)
-                  for b in range(batch)]
+        chunks = decode_chunks(context, batch)
         for _ in range(WARMUP):
             runner.forward(chunks)
         times = []

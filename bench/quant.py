@@ -43,7 +43,7 @@ from pathlib import Path
 
 import typer
 
-from bench.isolated_step import isolated_rows, print_rows, run_process
+from bench.isolated_step import decode_chunks, decode_runner, isolated_rows, print_rows, run_process
 from bench.options import int_list, name_list
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))   # (out, in): fused qkv, o, fused gate/up, down
@@ -137,11 +137,7 @@ def _batch_sizes(text: str) -> tuple[int, ...]:
 
 def build_runners(model: str, methods: list[str], dtype, context: int, batches: tuple[int, ...]) -> dict:
     """One ModelRunner per --quantization method, with cache blocks for max(batches) sequences."""
-    from engine.model_runner import ModelRunner
-
-    blocks_per_seq = -(-(context + 1) // 16)
-    return {m: ModelRunner(model, num_blocks=max(batches) * blocks_per_seq, dtype=dtype, quantization=m)
-            for m in methods}
+    return {m: decode_runner(model, m, dtype, context, max(batches)) for m in methods}
 
 
 def model_linears(runner) -> list[tuple[str, object]]:
@@ -199,14 +195,10 @@ def decode_rows(runners: dict, context: int, steps: int, batches: tuple[int, ...
     speed-ups over none) and, with ``consecutive`` > 0, the steps that follow the same method's
     (ms_consecutive and the rest). ``steps`` rounds, methods round-robin within each (with one
     method, a round's first step follows that method's own previous round)."""
-    from engine.batch import SeqChunk
-
     methods = list(runners)
-    blocks_per_seq = -(-(context + 1) // 16)
     out = []
     for batch in batches:
-        chunks = [SeqChunk([100 + b], context, list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)), 1)
-                  for b in range(batch)]
+        chunks = decode_chunks(context, batch)
         times: dict[str, list[float]] = {m: [] for m in methods}
         runs: dict[str, list[list[float]]] = {m: [] for m in methods}   # per round, the consecutive steps
         for _ in range(2):                                   # warm-up
