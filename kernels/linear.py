@@ -479,6 +479,38 @@ def quantize_int8_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, 
     return q, torch.where(finite, scale, torch.full((), float("nan")))
 
 
+MX_GROUP = -32
+"""The activation ``group`` of MX activations (quantize_int8_mx): one scale per token, a
+power-of-two sub-scale per block of 32 channels (kernels/csrc/int8_activations.h kMxGroup)."""
+
+
+def quantize_int8_mx(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (hi int8 [M, K], lo int8 [M, K], sx float32 [M]): MX activations, the torch
+    reference of kernels/csrc/int8_activations.h quantize_row_mx (the same values):
+    ``x ~ sx * (hi + lo / 128)``, sx = amax(|x|) / 127 per token, each block of 32 channels at
+    ``sx * 2**-e`` with e the largest of 0..7 where ``amax_block * 2**e <= amax`` (bf16 inputs: the
+    comparison is exact on their bits)."""
+    m, k = x.shape
+    xf = x.float()
+    finite = torch.isfinite(xf).all(dim=1)
+    xf = torch.where(finite[:, None], xf, torch.zeros(()))
+    bmax = xf.view(m, k // 32, 32).abs().amax(dim=2)
+    amax = bmax.amax(dim=1)
+    sx = torch.where(amax >= MIN_ACT_AMAX, amax / INT8_MAX, torch.ones_like(amax))
+    # e from exponents and mantissas, as the kernel takes it from the bits
+    rman, rexp = torch.frexp(amax)
+    bman, bexp = torch.frexp(bmax)
+    e = (rexp[:, None] - bexp - (bman > rman[:, None]).int()).clamp(0, 7)
+    e = torch.where(bmax == 0, torch.full_like(e, 7), e)
+    scale = torch.exp2(e.float()).repeat_interleave(32, dim=1)
+    v = torch.round(xf * (1 / sx)[:, None] * scale).to(torch.int32)
+    ei = e.repeat_interleave(32, dim=1)
+    hi = v >> ei
+    lo = (v & ((1 << ei) - 1)) << (7 - ei)
+    sx = torch.where(finite, sx, torch.full((), float("nan")))
+    return hi.to(torch.int8), lo.to(torch.int8), sx
+
+
 def pack_int8_gemm(q: torch.Tensor) -> torch.Tensor:
     """q [N, K] int8 (K a multiple of 4) -> q + 128 as uint8 [ceil(N/16), K/4, 16, 4]: the tiles of
     kernels/csrc/int8_gemm.cpp (vpdpbusd multiplies unsigned by signed bytes), 16 output columns
@@ -515,10 +547,19 @@ def _int8_kernel_available(isa: str, dtype: torch.dtype, device: torch.device, i
     return load_extension()[0] is not None and getattr(torch.ops, library).available()
 
 
+def int8_amx_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the INT8 kernels run here on AMX tiles (AMX-INT8, with AVX512-VNNI) for ``dtype``
+    activations: what engine/quantization/apply.py's choice of MX activations asks."""
+    return _int8_kernel_available("vnni", dtype, torch.device("cpu"), ACT_GROUP) and \
+        _int8_kernel_available("amx", dtype, torch.device("cpu"), ACT_GROUP)
+
+
 class Int8Linear(MeasuredLinear):
     """W8A8 INT8: per-output-channel symmetric int8 weights, activations quantized dynamically per
     token and per group of ACT_GROUP channels:
-    ``y[m, n] = s_w[n] * sum_g s_x[m, g] * sum_{k in g} q_x[m, k] q_w[n, k]``.
+    ``y[m, n] = s_w[n] * sum_g s_x[m, g] * sum_{k in g} q_x[m, k] q_w[n, k]``,
+    or MX activations (``group=MX_GROUP``, quantize_int8_mx: per token, a power-of-two sub-scale per
+    block of 32) as two such products over the same weight, the hi digits at s_x and the lo at s_x / 128.
 
     Kernels: ``w8a8_vnni`` (kernels/csrc/int8_gemm.cpp, bf16 on CPUs with AVX512-BF16 and
     AVX512-VNNI: the activations quantized in the call, the int8 weight streamed once through
@@ -574,14 +615,18 @@ class Int8Linear(MeasuredLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, decode_only: bool = False,
                  group: int | None = None, *, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """decode_only: see MeasuredLinear._choose (the LM head). group: input channels per
-        activation scale (a multiple of ACT_GROUP dividing in_features; default act_group()).
+        activation scale (a multiple of ACT_GROUP dividing in_features; default act_group()), or
+        MX_GROUP for MX activations (quantize_int8_mx).
         quantized: the int8 weight [N, K] and its per-channel scales float32 [N], taken as they are
         (``weight`` then gives only the shape and dtype: a meta tensor does)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype, self.decode_only = weight.dtype, decode_only
         self.group = act_group(self.in_features) if group is None else group
-        if self.in_features % self.group or (self.group != self.in_features and self.group % ACT_GROUP):
+        if self.group == MX_GROUP and self.in_features % ACT_GROUP:
+            raise ValueError(f"MX activations (group {MX_GROUP}) need in_features {self.in_features} a multiple of 32")
+        if self.group != MX_GROUP and (self.group <= 0 or self.in_features % self.group
+                                       or (self.group != self.in_features and self.group % ACT_GROUP)):
             raise ValueError(f"activation group {self.group} must divide in_features {self.in_features} "
                              f"and be a multiple of {ACT_GROUP} (or in_features itself)")
         q, scale = quantize_int8_per_channel(weight) if quantized is None else quantized
@@ -623,7 +668,11 @@ class Int8Linear(MeasuredLinear):
         # from L3, Emerald Rapids, 2 threads, A/B in one process, both orders) down_proj on
         # w8a8_vnni ran the step 9.66 / 10.14 ms against 10.35 / 10.63 on w8a8_amx (whose per-group
         # tile stores stall) and 10.02 / 10.27 on w8a8_vnni_large.
-        per_token = self.group == self.in_features
+        # With MX activations (MX_GROUP: two per-token products, the hi and the lo digits, over
+        # the same weight) the AMX kernel from 16 rows as with one scale per token; the VNNI
+        # kernels do twice the vpdpbusd of one scale per token there (engine/quantization/apply.py
+        # takes MX only where AMX-INT8 runs).
+        per_token = self.group in (self.in_features, MX_GROUP)
         if self._amx:
             middle = "w8a8_amx" if per_token else "w8a8_vnni"
         else:
@@ -654,8 +703,12 @@ class Int8Linear(MeasuredLinear):
         s_w = self.weight_scale[:n].to(dtype)
 
         def dequant_dense(x: torch.Tensor) -> torch.Tensor:
-            xq, xs = quantize_int8_per_group(x, group)
-            xd = (xq.float().view(x.shape[0], -1, group) * xs[:, :, None]).view(x.shape).to(dtype)
+            if group == MX_GROUP:
+                hi, lo, xs = quantize_int8_mx(x)
+                xd = (xs[:, None] * (hi.float() + lo.float() / 128)).to(dtype)
+            else:
+                xq, xs = quantize_int8_per_group(x, group)
+                xd = (xq.float().view(x.shape[0], -1, group) * xs[:, :, None]).view(x.shape).to(dtype)
             return F.linear(xd, self._int8_nk().to(dtype)).mul_(s_w)
 
         kernels: dict[str, Kernel] = {"dequant_dense": dequant_dense}

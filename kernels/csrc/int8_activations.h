@@ -11,9 +11,11 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -26,6 +28,10 @@ namespace pdserve_int8 {
 // 1 and quantizes to zeros; with a subnormal scale 1 / scale overflowed to inf and every value
 // became -128 (row and block quantizers then disagreeing on the group's correction).
 constexpr float kMinAmax = 127.f * std::numeric_limits<float>::min();
+
+// The `group` argument that asks for MX activations (quantize_row_mx): one scale per token with a
+// power-of-two sub-scale per block of 32 channels.
+constexpr int64_t kMxGroup = -32;
 
 // A group's scale from its amax: amax / 127, 1 below kMinAmax, NaN for a group holding an inf or
 // a NaN (its amax is then inf or NaN, taken on the bits: they order above every finite value).
@@ -45,8 +51,9 @@ inline void check_weight(int64_t k, const at::Tensor& packed, const at::Tensor& 
                   packed.scalar_type() == at::kByte, "packed must be a contiguous uint8 [N/16, K/4, 16, 4]");
   const int64_t tiles = packed.size(0);
   TORCH_CHECK(k > 0 && k == 4 * packed.size(1), "x has ", k, " columns, the packed weight ", 4 * packed.size(1));
-  TORCH_CHECK(group > 0 && group % 32 == 0 && k % group == 0, "group must be a multiple of 32 dividing K = ", k,
-              ", got ", group);
+  TORCH_CHECK((group > 0 && group % 32 == 0 && k % group == 0) || (group == kMxGroup && k % 32 == 0),
+              "group must be a multiple of 32 dividing K = ", k, ", got ", group, " (or ", kMxGroup,
+              " for MX activations, K a multiple of 32)");
   TORCH_CHECK(n > 16 * (tiles - 1) && n <= 16 * tiles, "n does not match the packed weight's tiles");
   TORCH_CHECK(wscale.dim() == 1 && wscale.size(0) == 16 * tiles && wscale.is_contiguous() &&
                   wscale.scalar_type() == at::kFloat, "wscale must be a contiguous fp32 [16 * tiles]");
@@ -60,6 +67,56 @@ inline at::Tensor checked_input(const at::Tensor& x_in, const at::Tensor& packed
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   check_weight(x.size(1), packed, wscale, n, group);
   return x;
+}
+
+// MX activations' block shift: the largest e in 0..kMxMaxShift with block_amax 2^e <= amax
+// (exact: a product by a power of two), for finite amaxes.
+constexpr int kMxMaxShift = 7;
+inline int mx_shift(float block_amax, float amax) {
+  int e = 0;
+  while (e < kMxMaxShift && block_amax * static_cast<float>(2 << e) <= amax) ++e;
+  return e;
+}
+
+// quantize_row_mx's values without vector instructions (int8_gemm_avx2.cpp; any input dtype T that
+// converts to float exactly), the same arithmetic: v = nearbyint((x * (1 / sx)) * 2^e) in the
+// default rounding mode (to nearest even), hi = v >> e, lo = (v mod 2^e) 2^(7 - e).
+template <typename T>
+inline void quantize_row_mx_scalar(const T* x, int64_t k, int8_t* hi, int8_t* lo, float* sx2, int32_t* corr2) {
+  float amax = 0.f;
+  bool finite = true;
+  for (int64_t i = 0; i < k; ++i) {
+    const float v = static_cast<float>(x[i]);
+    finite = finite && std::isfinite(v);
+    amax = std::max(amax, std::fabs(v));
+  }
+  const float sx = finite ? group_scale(amax) : std::numeric_limits<float>::quiet_NaN();
+  sx2[0] = sx;
+  sx2[1] = sx * (1.f / 128.f);
+  corr2[0] = corr2[1] = 0;
+  if (!finite) {
+    std::memset(hi, 0, k);
+    std::memset(lo, 0, k);
+    return;
+  }
+  const float inv = 1.f / sx;
+  int32_t sum_hi = 0, sum_lo = 0;
+  for (int64_t c = 0; c < k; c += 32) {
+    float block_amax = 0.f;
+    for (int64_t i = c; i < c + 32; ++i) block_amax = std::max(block_amax, std::fabs(static_cast<float>(x[i])));
+    const int e = mx_shift(block_amax, amax);
+    const float pow2 = static_cast<float>(1 << e);
+    for (int64_t i = c; i < c + 32; ++i) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(static_cast<float>(x[i]) * inv * pow2));
+      const int32_t h = v >> e, l = (v & ((1 << e) - 1)) << (kMxMaxShift - e);
+      hi[i] = static_cast<int8_t>(h);
+      lo[i] = static_cast<int8_t>(l);
+      sum_hi += h;
+      sum_lo += l;
+    }
+  }
+  corr2[0] = -128 * sum_hi;
+  corr2[1] = -128 * sum_lo;
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -215,6 +272,98 @@ inline void quantize_block(const at::BFloat16* x, int64_t ldx, int rows, int64_t
                        _mm_mullo_epi32(_mm512_castsi512_si128(sum), _mm_set1_epi32(-128)));
     }
   }
+}
+// MX activations (the shared power-of-two block scales of the OCP Microscaling formats, Rouhani et
+// al. 2023, under a per-token fp32 scale): row x [K] bf16 (K a multiple of 32) -> two int8 digit
+// rows hi, lo [K], sx2 = {sx, sx / 128}, corr2 = {-128 sum hi, -128 sum lo}, such that
+//
+//   x[k] ~ sx 2^-e(b) v[k],  v[k] = round(x[k] / sx * 2^e(b)) (|v| <= 127),  v[k] 2^(7 - e(b)) = 128 hi[k] + lo[k]
+//
+// with sx = amax(|x|) / 127 (group_scale) and, per block b of 32 channels, e(b) the largest
+// e in 0..7 with amax_b 2^e <= amax (a block 2^e times smaller than the row's largest keeps its
+// 7 bits; the digits: hi = v >> e, lo = (v mod 2^e) 2^(7 - e), 0 <= lo < 128). A product is then
+// sx sum_k hi q + sx / 128 sum_k lo q: two per-token products over the same weight, where groups of
+// 32 with their own scales need an fp32 step per group (int8_gemm_amx.cpp). A row holding an inf
+// or a NaN: sx NaN, digits 0 (as group_scale's poisoned groups).
+inline void quantize_row_mx(const at::BFloat16* x, int64_t k, int8_t* hi, int8_t* lo, float* sx2, int32_t* corr2) {
+  const uint16_t* row = reinterpret_cast<const uint16_t*>(x);
+  const int64_t blocks = k / kChunk, sets = (blocks + 15) / 16;
+  // Pass 1: the block amaxes on the bf16 bits (|x| orders as bits & 0x7FFF; inf and NaN above
+  // every finite value), 16 blocks at once: their 16 vectors reduced together by a transpose tree
+  // (lanes of 256, 128, 64 and 32 bits, then the two halves of a dword), each block's maximum
+  // ending in one dword (in the order kTree, put back in block order).
+  const __m512i abs_mask = _mm512_set1_epi16(0x7FFF), low16 = _mm512_set1_epi32(0xFFFF);
+  const __m512i tree_order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
+  __m512i bmax_stack[16];
+  std::vector<__m512i> bmax_heap(sets > 16 ? sets : 0);
+  __m512i* bmax = sets > 16 ? bmax_heap.data() : bmax_stack;
+  __m512i rowmax = _mm512_setzero_si512();
+  for (int64_t s = 0; s < sets; ++s) {
+    __m512i v[16];
+    for (int j = 0; j < 16; ++j) {
+      const int64_t c = 16 * s + j;
+      v[j] = c < blocks ? _mm512_and_si512(_mm512_loadu_si512(row + c * kChunk), abs_mask) : _mm512_setzero_si512();
+    }
+    for (int j = 0; j < 8; ++j)   // 256-bit halves: block 2j in lanes 0-1, 2j+1 in lanes 2-3
+      v[j] = _mm512_max_epu16(_mm512_shuffle_i64x2(v[2 * j], v[2 * j + 1], 0x44), _mm512_shuffle_i64x2(v[2 * j], v[2 * j + 1], 0xEE));
+    for (int j = 0; j < 4; ++j)   // 128-bit lanes: one block each
+      v[j] = _mm512_max_epu16(_mm512_shuffle_i64x2(v[2 * j], v[2 * j + 1], 0x88), _mm512_shuffle_i64x2(v[2 * j], v[2 * j + 1], 0xDD));
+    for (int j = 0; j < 2; ++j)   // 64-bit halves of a lane: two blocks a lane
+      v[j] = _mm512_max_epu16(_mm512_unpacklo_epi64(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_epi64(v[2 * j], v[2 * j + 1]));
+    for (int j = 0; j < 2; ++j)   // dword pairs: each dword twice
+      v[j] = _mm512_max_epu16(v[j], _mm512_shuffle_epi32(v[j], _MM_PERM_CDAB));
+    const __m512i z = _mm512_mask_blend_epi32(0xAAAA, v[0], v[1]);
+    const __m512i m = _mm512_max_epu32(_mm512_and_si512(z, low16), _mm512_srli_epi32(z, 16));
+    bmax[s] = _mm512_permutexvar_epi32(tree_order, m);
+    rowmax = _mm512_max_epu32(rowmax, bmax[s]);
+  }
+  const uint32_t rmax = _mm512_reduce_max_epu32(rowmax);
+  const uint32_t rbits = rmax << 16;
+  float amax;
+  std::memcpy(&amax, &rbits, sizeof amax);
+  const float sx = group_scale(amax);
+  sx2[0] = sx;
+  sx2[1] = sx * (1.f / 128.f);
+  if (std::isnan(sx)) {
+    std::memset(hi, 0, k);
+    std::memset(lo, 0, k);
+    corr2[0] = corr2[1] = 0;
+    return;
+  }
+  // Each block's shift, 16 at once, on the bits: the exponents' difference, one less where the
+  // block's mantissa is the larger (mx_shift's e for every finite amax: a subnormal block under a
+  // row above kMinAmax is more than 2^7 below it either way), 7 for an all-zero block.
+  const __m512i rv = _mm512_set1_epi32(static_cast<int>(rmax));
+  const __m512i rexp = _mm512_srli_epi32(rv, 7), rman = _mm512_and_si512(rv, _mm512_set1_epi32(0x7F));
+  const __m512i one = _mm512_set1_epi32(1), seven = _mm512_set1_epi32(kMxMaxShift);
+  for (int64_t s = 0; s < sets; ++s) {
+    const __m512i b = bmax[s];
+    __m512i e = _mm512_sub_epi32(rexp, _mm512_srli_epi32(b, 7));
+    e = _mm512_mask_sub_epi32(e, _mm512_cmpgt_epi32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7F)), rman), e, one);
+    e = _mm512_min_epi32(_mm512_max_epi32(e, _mm512_setzero_si512()), seven);
+    bmax[s] = _mm512_mask_mov_epi32(e, _mm512_cmpeq_epi32_mask(b, _mm512_setzero_si512()), seven);   // (now the shifts)
+  }
+  // Pass 2: v = round((x / sx) 2^e), hi = v >> e, lo = (v mod 2^e) 2^(7 - e).
+  const __m512 inv = _mm512_set1_ps(1.f / sx);
+  __m512i sum_hi = _mm512_setzero_si512(), sum_lo = _mm512_setzero_si512();
+  for (int64_t c = 0; c < blocks; ++c) {
+    const __m512i shift = _mm512_permutexvar_epi32(_mm512_set1_epi32(static_cast<int>(c & 15)), bmax[c >> 4]);
+    const __m512 pow2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(shift, _mm512_set1_epi32(127)), 23));
+    const __m512i up = _mm512_sub_epi32(seven, shift), low = _mm512_sub_epi32(_mm512_sllv_epi32(one, shift), one);
+    for (int half = 0; half < 2; ++half) {
+      const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * kChunk + 16 * half)));
+      const __m512 xf = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(xf, inv), pow2));   // (x / sx) exact times 2^e
+      const __m512i h = _mm512_srav_epi32(v, shift);
+      const __m512i l = _mm512_sllv_epi32(_mm512_and_si512(v, low), up);
+      sum_hi = _mm512_add_epi32(sum_hi, h);
+      sum_lo = _mm512_add_epi32(sum_lo, l);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + c * kChunk + 16 * half), _mm512_cvtepi32_epi8(h));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + c * kChunk + 16 * half), _mm512_cvtepi32_epi8(l));
+    }
+  }
+  corr2[0] = -128 * _mm512_reduce_add_epi32(sum_hi);
+  corr2[1] = -128 * _mm512_reduce_add_epi32(sum_lo);
 }
 #endif
 

@@ -37,6 +37,16 @@
 // the INT8 model 78.6 -> 76.7 ms (its AMX calls 290 -> 239 us on average), the 32-row decode step
 // 1.12-1.19x -> 1.23x bf16's. The quantizer in rows (before: quantize_row into the quad layout,
 // then copied into rows, one thread): a 16 x 1536 call in groups of 32 13.8 -> 6.9 us on one tile.
+// MX activations (group kMxGroup, int8_activations.h quantize_row_mx: the rows hold the hi digits
+// and then the lo digits, 2 K bytes, with sx and sx / 128): two "groups" of K, each over the whole
+// weight (unit_pass reads the weight lines again for the lo digits, from L2, and asks the next unit
+// into L2 during the hi digits only), so a unit's sums leave the tiles twice, not once per group of
+// 32. down_proj at 16 rows, hot, 2 threads (Emerald Rapids, 2026-12-07, a busy host): 37 us against
+// 49 for groups of 32 on w8a8_vnni; at 512 rows 878 against 1,046 on w8a8_vnni_large.
+// Measured and not kept (2026-12-07): groups of 32 on one column tile at a time with the fp32 sums
+// in registers and the two C-tile sets of the branch below (a tile product per A and B load): at
+// 16 rows 55 against 49 us for w8a8_vnni, at 512 rows 1,267 against 1,072 for w8a8_vnni_large: the
+// tile loads and the per-group store, not the vector epilogue, bound it.
 // Measured and not kept (branch old/int8-amx-grouped-s36): groups at 16 rows with the epilogue of
 // one group overlapping the next group's products (two sets of C tiles: down_proj hot 40 -> 33
 // us, the decode step unchanged), 3-tile units where they split 2 threads more evenly (noise).
@@ -103,6 +113,7 @@ struct Activations {
   const float* sx;     // quantize_block's layout per 4 rows: sx[m / 4][g][m % 4] (at(m, g))
   const int32_t* corr;
   int64_t groups, k;
+  int64_t kw;          // the weight's K: k, or k / 2 for MX digits (hi | lo, each over the whole weight)
   int64_t at(int64_t m, int64_t g) const { return (m >> 2) * groups * 4 + g * 4 + (m & 3); }
 };
 
@@ -141,9 +152,9 @@ void unit_pass(const Activations& a, int64_t r0, int rows, int64_t group, int64_
     if constexpr (NT > 2) _tile_zero(2);
     if constexpr (NT > 3) _tile_zero(3);
     for (int64_t s = 0; s < steps; ++s) {
-      const int64_t k0 = (g * steps + s) * kstep;
-      const uint8_t* wk = w + k0 * 16;   // line k0 / 4 of each tile
-      if (next != nullptr) {
+      const int64_t k0 = (g * steps + s) * kstep, kk = k0 < a.kw ? k0 : k0 - a.kw;
+      const uint8_t* wk = w + kk * 16;   // line kk / 4 of each tile
+      if (next != nullptr && k0 < a.kw) {
         for (int t = 0; t < NT; ++t)
           for (int64_t line = 0; line < lines; ++line)
             _mm_prefetch(reinterpret_cast<const char*>(next + t * tile_stride + k0 * 16 + line * 64), _MM_HINT_T1);
@@ -224,53 +235,80 @@ void configure_large(int kstep) {
 
 // The 32-row block from row r0 times the panel of NT (1 or 2) column tiles at w (tile_stride bytes
 // apart), for one scale per token: out[r0 .. min(r0 + 32, m), col0 .. col0 + 16 NT) (clipped at
-// n), with unit_pass's arithmetic: bf16(fma(float(corr + sum), sx, 0) * wscale). isum: 32 x 32
-// int32. (With groups, each group's sums would leave the tiles for an fp32 accumulator as in
-// unit_pass: measured at 512 rows, down_proj's groups of 32 took 807 us against 730 for
-// w8a8_vnni_large, and the fp32 accumulator cost the one-group shapes 12-27%.)
+// n), with unit_pass's arithmetic: bf16(fma(float(corr + sum), sx, 0) * wscale); MX's two groups
+// (hi digits, then lo, each over the whole panel) through an fp32 block as unit_pass's groups, the
+// same bits. isum: 32 x 32 int32, facc: 32 x 32 fp32. (Groups of 32 this way: measured at 512 rows,
+// down_proj took 807 us against 730 for w8a8_vnni_large, and an fp32 accumulator for every call
+// cost the one-group shapes 12-27%: one group still stores straight to the output.)
 template <int NT>
 void large_block(const Activations& a, int64_t r0, int64_t m, int64_t kstep, const uint8_t* w, int64_t tile_stride,
-                 const float* wscale, int32_t* isum, const pdserve_gemm_out::OutRows& out, int64_t col0, int64_t n) {
-  _tile_zero(0);
-  _tile_zero(2);
-  if constexpr (NT > 1) {
-    _tile_zero(1);
-    _tile_zero(3);
-  }
+                 const float* wscale, int32_t* isum, float* facc, const pdserve_gemm_out::OutRows& out, int64_t col0,
+                 int64_t n) {
   const int8_t* x = a.xq + r0 * a.k;
-  for (int64_t k0 = 0; k0 < a.k; k0 += kstep) {
-    _tile_loadd(4, x + k0, a.k);
-    _tile_loadd(5, x + 16 * a.k + k0, a.k);
-    _tile_loadd(6, w + k0 * 16, 64);
-    _tile_dpbsud(0, 4, 6);
-    _tile_dpbsud(2, 5, 6);
+  const int rows = static_cast<int>(std::min<int64_t>(32, m - r0));
+  const int64_t group = a.k / a.groups;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    _tile_zero(0);
+    _tile_zero(2);
     if constexpr (NT > 1) {
-      _tile_loadd(7, w + tile_stride + k0 * 16, 64);
-      _tile_dpbsud(1, 4, 7);
-      _tile_dpbsud(3, 5, 7);
+      _tile_zero(1);
+      _tile_zero(3);
+    }
+    for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += kstep) {
+      const int64_t kk = k0 < a.kw ? k0 : k0 - a.kw;   // (MX: the lo digits reread the panel, from L1)
+      _tile_loadd(4, x + k0, a.k);
+      _tile_loadd(5, x + 16 * a.k + k0, a.k);
+      _tile_loadd(6, w + kk * 16, 64);
+      _tile_dpbsud(0, 4, 6);
+      _tile_dpbsud(2, 5, 6);
+      if constexpr (NT > 1) {
+        _tile_loadd(7, w + tile_stride + kk * 16, 64);
+        _tile_dpbsud(1, 4, 7);
+        _tile_dpbsud(3, 5, 7);
+      }
+    }
+    _tile_stored(0, isum, 32 * 4);
+    _tile_stored(2, isum + 16 * 32, 32 * 4);
+    if constexpr (NT > 1) {
+      _tile_stored(1, isum + 16, 32 * 4);
+      _tile_stored(3, isum + 16 * 32 + 16, 32 * 4);
+    }
+    if (a.groups == 1) {
+      store_one_group(a, isum, 32, r0, rows, NT, wscale, out, col0, n);
+      return;
+    }
+    for (int r = 0; r < rows; ++r) {   // unit_pass's arithmetic: fma(float(corr + sum), sx, acc), from acc = 0
+      const __m512i c = _mm512_set1_epi32(a.corr[a.at(r0 + r, g)]);
+      const __m512 s = _mm512_set1_ps(a.sx[a.at(r0 + r, g)]);
+      for (int t = 0; t < NT; ++t) {
+        const __m512i v = _mm512_add_epi32(_mm512_load_si512(isum + r * 32 + 16 * t), c);
+        float* f = facc + r * 32 + 16 * t;
+        _mm512_store_ps(f, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s, g == 0 ? _mm512_setzero_ps() : _mm512_load_ps(f)));
+      }
     }
   }
-  _tile_stored(0, isum, 32 * 4);
-  _tile_stored(2, isum + 16 * 32, 32 * 4);
-  if constexpr (NT > 1) {
-    _tile_stored(1, isum + 16, 32 * 4);
-    _tile_stored(3, isum + 16 * 32 + 16, 32 * 4);
+  for (int t = 0; t < NT; ++t) {
+    const int64_t col = col0 + 16 * t;
+    if (col >= n) break;
+    const __m512 ws = _mm512_loadu_ps(wscale + col);
+    const __mmask16 mask = pdserve_gemm_out::columns_mask(n - col);
+    for (int r = 0; r < rows; ++r) out.store(r0 + r, col, mask, _mm512_mul_ps(_mm512_load_ps(facc + r * 32 + 16 * t), ws));
   }
-  store_one_group(a, isum, 32, r0, static_cast<int>(std::min<int64_t>(32, m - r0)), NT, wscale, out, col0, n);
 }
 
-// out [m, n] from the quantized rows [0, ldq) (ldq a multiple of 32) of one group (a.groups == 1).
+// out [m, n] from the quantized rows [0, ldq) (ldq a multiple of 32) of one group, or MX's two.
 void large_gemm(const Activations& a, int64_t m, int64_t ldq, int64_t kstep, const uint8_t* wp,
                 int64_t tiles, const float* wscale, const pdserve_gemm_out::OutRows& out, int64_t n) {
-  const int64_t tile_stride = a.k * 16, panels = (tiles + 1) / 2;
+  const int64_t tile_stride = a.kw * 16, panels = (tiles + 1) / 2;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     alignas(64) int32_t isum[32 * 32];
+    alignas(64) float facc[32 * 32];
     configure_large(static_cast<int>(kstep));
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* w = wp + 2 * p * tile_stride;
       const bool pair = 2 * p + 1 < tiles;
       for (int64_t r0 = 0; r0 < ldq && r0 < m; r0 += 32)
-        (pair ? &large_block<2> : &large_block<1>)(a, r0, m, kstep, w, tile_stride, wscale, isum, out, 32 * p, n);
+        (pair ? &large_block<2> : &large_block<1>)(a, r0, m, kstep, w, tile_stride, wscale, isum, facc, out, 32 * p, n);
     }
     _tile_release();
   });
@@ -291,8 +329,11 @@ at::Tensor w8a8_gemm_amx(const at::Tensor& x_in, const at::Tensor& packed, const
 #if defined(PDSERVE_AMX_INT8)
   TORCH_CHECK(amx_permitted(), "the OS refused this process AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)");
   if (m == 0) return out;
-  const int64_t groups = k / group, kstep = group % 64 == 0 ? 64 : 32;
-  const bool large = groups == 1 && m >= kLargeRows;
+  const bool mx = group == pdserve_int8::kMxGroup;
+  if (mx) group = k;   // two "groups": the hi digits over K, then the lo digits over K
+  const int64_t ka = mx ? 2 * k : k;   // activation bytes a row
+  const int64_t groups = ka / group, kstep = group % 64 == 0 ? 64 : 32;
+  const bool large = (groups == 1 || mx) && m >= kLargeRows;
   const int64_t passes = (m + kMaxRows - 1) / kMaxRows;
   const int64_t per_pass = (m + passes - 1) / passes;   // 20 rows: two passes of 10, not 16 + 4
   // rows quantized: the passes' (ragged ones padded), or large_gemm's blocks of 32
@@ -300,7 +341,7 @@ at::Tensor w8a8_gemm_amx(const at::Tensor& x_in, const at::Tensor& packed, const
   // quantize_block's values 4 rows at a time, written row-major (AMX's A layout); rows past m are
   // zeros (every pass then has the one tile shape configured; their sums are computed, not stored)
   const int64_t blocks = (ldq + 3) / 4;
-  std::vector<int8_t> rows_q(blocks * 4 * k);
+  std::vector<int8_t> rows_q(blocks * 4 * ka);
   std::vector<int32_t> corr(blocks * groups * 4);
   std::vector<float> sx(blocks * groups * 4);
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
@@ -309,11 +350,25 @@ at::Tensor w8a8_gemm_amx(const at::Tensor& x_in, const at::Tensor& packed, const
   at::parallel_for(0, blocks, kQuantizeGrain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int rows = static_cast<int>(std::clamp<int64_t>(m - 4 * b, 0, 4));
+      if (mx) {
+        for (int r = 0; r < 4; ++r) {
+          int8_t* dst = rows_q.data() + (4 * b + r) * ka;
+          float s2[2] = {1.f, 1.f};
+          int32_t c2[2] = {0, 0};
+          if (r < rows) pdserve_int8::quantize_row_mx(xp + (4 * b + r) * ldx, k, dst, dst + k, s2, c2);
+          else std::memset(dst, 0, ka);
+          for (int g = 0; g < 2; ++g) {
+            sx[b * 8 + g * 4 + r] = s2[g];
+            corr[b * 8 + g * 4 + r] = c2[g];
+          }
+        }
+        continue;
+      }
       const pdserve_int8::QuantizedRows q{nullptr, sx.data() + b * groups * 4, corr.data() + b * groups * 4, 4};
       pdserve_int8::quantize_block(xp + (rows > 0 ? 4 * b : 0) * ldx, ldx, rows, k, group, q, rows_q.data() + 4 * b * k, k);
     }
   });
-  const Activations a{rows_q.data(), sx.data(), corr.data(), groups, k};
+  const Activations a{rows_q.data(), sx.data(), corr.data(), groups, ka, k};
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = wscale.data_ptr<float>();
   const pdserve_gemm_out::OutRows op = pdserve_gemm_out::out_rows(out);

@@ -131,8 +131,8 @@ inline void store8(at::BFloat16* dst, __m256 v, int count) {   // round to neare
 // w + (h / 2) tile_stride, bytes 32 (h % 2) .. of each 64-byte line): out[m, 8 h ..] for 8 h < n - n0
 // (n0: the first column of w's first tile).
 template <typename T, int MR, int NH>
-void pass_kernel(const Rows p, int64_t groups, int64_t quads, const uint8_t* w, int64_t tile_stride, int h0,
-                 const float* wscale, T* out, int64_t ldo, int64_t n0, int64_t n) {
+void pass_kernel(const Rows p, int64_t groups, int64_t quads, int64_t wquads, const uint8_t* w, int64_t tile_stride,
+                 int h0, const float* wscale, T* out, int64_t ldo, int64_t n0, int64_t n) {
   alignas(32) float facc[MR][NH][8];
   for (int m = 0; m < MR; ++m)
     for (int h = 0; h < NH; ++h) _mm256_store_ps(facc[m][h], _mm256_setzero_ps());
@@ -145,11 +145,11 @@ void pass_kernel(const Rows p, int64_t groups, int64_t quads, const uint8_t* w, 
       for (int h = 0; h < NH; ++h) iacc[m][h] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int64_t i = 0; i < quads; ++i) {
-      const int64_t kq = g * quads + i;
+      const int64_t kq = g * quads + i, kw = kq < wquads ? kq : kq - wquads;   // (MX: the lo digits reread the weight)
       __m256i wq[NH], wa[NH];
       for (int h = 0; h < NH; ++h) {
-        _mm_prefetch(reinterpret_cast<const char*>(half[h] + (kq + 8) * 64), _MM_HINT_T0);
-        wq[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half[h] + kq * 64)), flip);
+        _mm_prefetch(reinterpret_cast<const char*>(half[h] + (kw + 8) * 64), _MM_HINT_T0);
+        wq[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half[h] + kw * 64)), flip);
         wa[h] = _mm256_abs_epi8(wq[h]);
       }
       const int32_t* xk = p.xq + kq * p.ldq;
@@ -178,8 +178,8 @@ void pass_kernel(const Rows p, int64_t groups, int64_t quads, const uint8_t* w, 
 }
 
 template <typename T>
-using PassFn = void (*)(const Rows, int64_t, int64_t, const uint8_t*, int64_t, int, const float*, T*, int64_t, int64_t,
-                        int64_t);
+using PassFn = void (*)(const Rows, int64_t, int64_t, int64_t, const uint8_t*, int64_t, int, const float*, T*, int64_t,
+                        int64_t, int64_t);
 
 // Halves at once for MR rows: MR x NH <= 8 accumulators.
 constexpr int halves_for(int mr) { return mr <= 1 ? 8 : mr <= 2 ? 4 : mr <= 4 ? 2 : 1; }
@@ -206,7 +206,10 @@ template <typename T>
 void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& wscale, int64_t n, int64_t group,
          at::Tensor& out) {
   const int64_t m = x.size(0), k = x.size(1), tiles = packed.size(0);
-  const int64_t groups = k / group, quads = group / 4, k4 = k / 4;
+  // MX activations (int8_activations.h quantize_row_mx_scalar): two "groups" over the whole
+  // weight, the hi digits' quads then the lo digits' (the sign trick needs no corr)
+  const bool mx = group == pdserve_int8::kMxGroup;
+  const int64_t groups = mx ? 2 : k / group, quads = mx ? k / 4 : group / 4, k4 = groups * quads;
   const int64_t passes = (m + kMaxRows - 1) / kMaxRows;
   const int64_t per_pass = (m + passes - 1) / passes;   // 12 rows: two passes of 6, not 8 + 4
   std::vector<int32_t> xq(passes * k4 * per_pass);
@@ -215,7 +218,19 @@ void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& wscale
   for (int64_t q = 0; q < passes; ++q)
     rows[q] = Rows{xq.data() + q * k4 * per_pass, sx.data() + q * groups * per_pass, per_pass};
   const T* xp = x.data_ptr<T>();
-  for (int64_t r = 0; r < m; ++r) quantize_row(xp + r * x.stride(0), k, group, r % per_pass, rows[r / per_pass]);
+  if (mx) {
+    std::vector<int8_t> digits(2 * k);
+    for (int64_t r = 0; r < m; ++r) {
+      const Rows& p = rows[r / per_pass];
+      float s2[2];
+      int32_t c2[2];
+      pdserve_int8::quantize_row_mx_scalar(xp + r * x.stride(0), k, digits.data(), digits.data() + k, s2, c2);
+      for (int64_t kq = 0; kq < k4; ++kq) std::memcpy(p.xq + kq * p.ldq + r % per_pass, digits.data() + 4 * kq, 4);
+      for (int g = 0; g < 2; ++g) p.sx[g * p.ldq + r % per_pass] = s2[g];
+    }
+  } else {
+    for (int64_t r = 0; r < m; ++r) quantize_row(xp + r * x.stride(0), k, group, r % per_pass, rows[r / per_pass]);
+  }
   // Tiles per unit: the first pass's halves (at least one tile), fewer where units would split
   // unevenly over the threads.
   int64_t nt = std::max(1, halves_for(static_cast<int>(per_pass)) / 2);
@@ -241,7 +256,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& wscale
           int nh = std::min(halves_for(mr), left), index = 0;
           while ((2 << index) <= nh) ++index;
           nh = 1 << index;
-          kTable<T>[index][mr](rows[q], groups, quads, wt, tile_stride, h, sp, orow, ldo, 16 * t0, n);
+          kTable<T>[index][mr](rows[q], groups, quads, k / 4, wt, tile_stride, h, sp, orow, ldo, 16 * t0, n);
           h += nh;
           left -= nh;
         }

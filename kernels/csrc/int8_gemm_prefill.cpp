@@ -101,7 +101,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
+#include <vector>
 
 #include "gemm_output.h"
 #include "int8_activations.h"
@@ -126,6 +128,7 @@ struct Blocks {
   float* sx;       // [M/4][K/group][4]: sx[4 b + r, g] at sx[(b groups + g) 4 + r]
   int32_t* corr;   // [M/4][K/group][4]: -128 sum_{k in g} xq[4 b + r, k], same indexing
   int64_t k4, groups;
+  int64_t wk4;     // the weight's K/4: k4, or k4 / 2 for MX digits (hi | lo, each over the whole weight)
 };
 
 // Rows [4 b, 4 b + R) x tiles [0, NT) of the panel at w (tile t at w + t tile_stride, output
@@ -147,12 +150,13 @@ void micro_kernel(const Blocks& q, int64_t b, int64_t quads, const uint8_t* w, i
       for (int t = 0; t < NT; ++t) iacc[m][t] = start;
     }
     const int32_t* xk = xq + g * quads * kRows;
-    const uint8_t* wk = w + g * quads * 64;
+    const bool first = g * quads < q.wk4;   // (MX: the lo digits reread the weight)
+    const uint8_t* wk = w + (first ? g * quads : g * quads - q.wk4) * 64;
 #pragma GCC unroll 4
     for (int64_t i = 0; i < quads; ++i) {
       __m512i wv[NT];
       for (int t = 0; t < NT; ++t) {
-        if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + t * tile_stride + (g * quads + i) * 64), _MM_HINT_T1);
+        if (next != nullptr && first) _mm_prefetch(reinterpret_cast<const char*>(next + t * tile_stride + (g * quads + i) * 64), _MM_HINT_T1);
         wv[t] = _mm512_loadu_si512(wk + t * tile_stride + i * 64);
       }
       for (int m = 0; m < R; ++m) {
@@ -171,6 +175,26 @@ void micro_kernel(const Blocks& q, int64_t b, int64_t quads, const uint8_t* w, i
     const __m512 s = _mm512_loadu_ps(wscale + col);
     const __mmask16 mask = pdserve_gemm_out::columns_mask(n - col);
     for (int m = 0; m < R; ++m) out.store(b * kRows + m, col, mask, _mm512_mul_ps(facc[m][t], s));
+  }
+}
+
+// MX rows (int8_activations.h quantize_row_mx) -> block b of q (rows past `rows` all zero): the
+// hi digits' quads, then the lo digits'; sx and corr per "group" 0 (hi) and 1 (lo).
+void quantize_block_mx(const at::BFloat16* x, int64_t ldx, int rows, int64_t k, const Blocks& q, int64_t b) {
+  std::vector<int8_t> digits(2 * k);
+  for (int r = 0; r < kRows; ++r) {
+    float s2[2] = {1.f, 1.f};
+    int32_t c2[2] = {0, 0};
+    if (r < rows) {
+      pdserve_int8::quantize_row_mx(x + r * ldx, k, digits.data(), digits.data() + k, s2, c2);
+    } else {
+      std::fill(digits.begin(), digits.end(), int8_t{0});
+    }
+    for (int64_t kq = 0; kq < q.k4; ++kq) std::memcpy(q.xq + (b * q.k4 + kq) * kRows + r, digits.data() + 4 * kq, 4);
+    for (int g = 0; g < 2; ++g) {
+      q.sx[(b * 2 + g) * kRows + r] = s2[g];
+      q.corr[(b * 2 + g) * kRows + r] = c2[g];
+    }
   }
 }
 
@@ -196,20 +220,27 @@ at::Tensor w8a8_gemm_large(const at::Tensor& x_in, const at::Tensor& packed, con
   at::Tensor out = at::empty({m, n}, x.options().dtype(pdserve_gemm_out::out_dtype(out_dtype)));
 #if PDSERVE_INT8P_GEMM
   if (m == 0) return out;
-  const int64_t groups = k / group, quads = group / 4, k4 = k / 4;
+  // MX activations (int8_activations.h quantize_row_mx): two "groups" over the whole weight
+  const bool mx = group == pdserve_int8::kMxGroup;
+  const int64_t groups = mx ? 2 : k / group, quads = mx ? k / 4 : group / 4, k4 = groups * quads;
   const int64_t blocks = (m + kRows - 1) / kRows;
   // (every entry written by quantize_block, the last block's padding rows as zero rows)
   const std::unique_ptr<int32_t[]> xq(new int32_t[blocks * k4 * kRows]);
   const std::unique_ptr<float[]> sx(new float[blocks * groups * kRows]);
   const std::unique_ptr<int32_t[]> corr(new int32_t[blocks * groups * kRows]);
-  const Blocks q{xq.get(), sx.get(), corr.get(), k4, groups};
+  const Blocks q{xq.get(), sx.get(), corr.get(), k4, groups, k / 4};
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   const int64_t ldx = x.stride(0);
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {   // (16 blocks: decode's rows quantized inline)
-    for (int64_t b = b0; b < b1; ++b)
+    for (int64_t b = b0; b < b1; ++b) {
+      if (mx) {
+        quantize_block_mx(xp + b * kRows * ldx, ldx, static_cast<int>(std::min<int64_t>(kRows, m - b * kRows)), k, q, b);
+        continue;
+      }
       pdserve_int8::quantize_block(xp + b * kRows * ldx, ldx, static_cast<int>(std::min<int64_t>(kRows, m - b * kRows)), k,
                                    group, pdserve_int8::QuantizedRows{q.xq + b * k4 * kRows, q.sx + b * groups * kRows,
                                                                       q.corr + b * groups * kRows, kRows});
+    }
   });
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = wscale.data_ptr<float>();

@@ -1,0 +1,127 @@
+"""MX activations of the INT8 kernels (kernels.linear.MX_GROUP; kernels/csrc/int8_activations.h
+quantize_row_mx): one scale per token, a power-of-two sub-scale per block of 32 channels, carried as
+two int8 digit rows (hi, lo) so a product is two per-token products over the same weight.
+
+The kernels' quantizer (its AVX-512 form and the portable one of the AVX2 kernel) equals the torch
+reference (quantize_int8_mx) bit for bit, including all-zero, vanishingly small and poisoned rows;
+the reference's digits rebuild x to within half a step of each block's scale, that scale being the
+finest power of two (down to 2^-7 of the token's) under which the block's values stay within 127;
+every kernel that takes MX (w8a8_vnni, w8a8_vnni_large, w8a8_amx, w8a8_avx2) gives the same bf16
+outputs bit for bit at every row count it specializes, within one bf16 ulp of the fp32 product of
+the reference's digits; a poisoned row is NaN in every kernel and leaves the other rows untouched.
+A kernel is skipped, with the reason, only where this CPU cannot run it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.platform import cpu_flags
+from kernels.linear import MX_GROUP, Int8Linear, quantize_int8_mx
+
+KERNELS = ("w8a8_vnni", "w8a8_vnni_large", "w8a8_amx", "w8a8_avx2")
+
+
+def activations(m: int, k: int, seed: int = 0) -> torch.Tensor:
+    """bf16 [m, k]: channels of very different scales (blocks 2^-9 .. 1 of the largest), an outlier."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen) * torch.rand(1, k, generator=gen) ** 6 * 4
+    x[:, 7] *= 60
+    return x.bfloat16()
+
+
+@pytest.fixture(scope="module", params=[200, 1000], ids=["n200", "n1000"])
+def mx_linear(request) -> Int8Linear:
+    """N = 200: 13 tiles (a 1-tile unit at 1-4 rows on 2 threads); 1000: 63 tiles, the last half
+    empty, 4-tile units and a partial last one."""
+    gen = torch.Generator().manual_seed(1)
+    lin = Int8Linear((torch.randn(request.param, 1536, generator=gen) * 0.05).bfloat16(), None, group=MX_GROUP)
+    if "w8a8_vnni" not in lin._candidates():
+        assert not {"avx512_vnni", "avx512_bf16"} <= cpu_flags(), "AVX512-BF16/VNNI CPU but the int8 kernel did not build"
+        pytest.skip("no AVX512-BF16 + AVX512-VNNI on this CPU")
+    return lin
+
+
+def special_rows(k: int) -> torch.Tensor:
+    """An all-zero row, a vanishingly small one (amax below 127 x FLT_MIN: scale 1, digits 0), one
+    whose blocks span more than 2^7 (the shift clamps at 7), and exact powers of two (ties)."""
+    rows = torch.zeros(4, k)
+    rows[1] = 1e-38
+    rows[2, :32] = 1000.
+    rows[2, 32:64] = 1e-3
+    rows[2, 64:] = torch.linspace(-1, 1, k - 64)
+    rows[3] = 2. ** torch.arange(k).remainder(20).float().sub(10)
+    return rows.bfloat16()
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
+def test_the_kernels_quantizer_equals_the_torch_reference(mx_linear, portable):
+    x = torch.cat([activations(13, 1536), special_rows(1536)])
+    hi, lo, sx = torch.ops.pdserve_int8.quantize_mx(x, portable)
+    want_hi, want_lo, want_sx = quantize_int8_mx(x)
+    assert torch.equal(hi, want_hi) and torch.equal(lo, want_lo) and torch.equal(sx, want_sx)
+    poisoned = x.clone()
+    poisoned[0, 100], poisoned[1, 3] = float("nan"), float("inf")
+    hi, lo, sx = torch.ops.pdserve_int8.quantize_mx(poisoned, portable)
+    assert sx[:2].isnan().all() and not (hi[:2].any() or lo[:2].any())   # a poisoned row: NaN scale, digits 0
+    assert torch.equal(sx[2:], want_sx[2:]) and torch.equal(hi[2:], want_hi[2:])
+
+
+def test_the_digits_rebuild_x_to_half_a_step_of_the_finest_safe_block_scale():
+    x = torch.cat([activations(16, 1536, seed=3), special_rows(1536)]).float()
+    hi, lo, sx = quantize_int8_mx(x.bfloat16())
+    assert int(hi.min()) >= -127 and int(hi.max()) <= 127 and int(lo.min()) >= 0 and int(lo.max()) <= 127
+    blocks = x.view(x.shape[0], -1, 32)
+    bmax, amax = blocks.abs().amax(2), x.abs().amax(1, keepdim=True)
+    v = hi.view_as(blocks).int() * 128 + lo.view_as(blocks).int()      # x / (sx 2^-7), per element
+    live = amax[:, 0] >= 127 * torch.finfo(torch.float32).tiny
+    # e: the block's shift, read back from the digits' spacing is not possible, so recompute it and
+    # check it is the largest safe one: bmax 2^e <= amax < bmax 2^(e+1) unless e is 7
+    e = torch.zeros_like(bmax, dtype=torch.int64)
+    for j in range(1, 8):
+        e += (bmax * 2. ** j <= amax).long()
+    assert bool(((bmax * 2. ** (e + 1) > amax) | (e == 7) | (bmax == 0)).all())
+    step = (sx[:, None] * 2. ** -e.double())[:, :, None]                  # the block's scale
+    err = (v.double() * sx[:, None, None].double() / 128 - blocks.double()).abs()
+    assert bool((err[live] <= step[live] / 2 * (1 + 1e-5)).all())   # (ties: x * (1 / sx) rounds in fp32)
+    assert bool((v.view(x.shape[0], -1)[~live] == 0).all())            # below the least amax: zeros
+    # every value is a multiple of its block's step in units of sx 2^-7: lo's low bits are zero
+    assert bool(((v % (2 ** (7 - e)).unsqueeze(-1).int()) == 0).all())
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 16, 17, 33, 100])
+def test_every_kernel_gives_the_same_bits_and_the_product_of_the_digits(mx_linear, m):
+    x = activations(m, 1536, seed=m)
+    hi, lo, sx = quantize_int8_mx(x)
+    xd = sx[:, None].double() * (hi.double() + lo.double() / 128)
+    want = (xd @ mx_linear.dequantized_weight().double().T).float()
+    ran = {}
+    for name in KERNELS:
+        if name in mx_linear._candidates():
+            ran[name] = mx_linear.run_kernel(name, x)
+    assert {"w8a8_vnni", "w8a8_vnni_large"} <= set(ran)
+    assert ("w8a8_amx" in ran) == bool({"amx_int8", "amx_tile"} <= cpu_flags())
+    for name, y in ran.items():
+        assert torch.equal(y, ran["w8a8_vnni"]), name
+    y = ran["w8a8_vnni"].float()
+    assert float((y - want).abs().max()) <= 2 ** -7 * float(want.abs().max())   # one bf16 ulp of the largest
+    assert float((mx_linear.run_kernel("dequant_dense", x).float() - want).abs().max()) <= 2 ** -6 * float(want.abs().max())
+    assert torch.equal(mx_linear.forward_float32(x), mx_linear.forward(x).float())
+
+
+def test_a_poisoned_row_is_nan_in_every_kernel_and_the_others_untouched(mx_linear):
+    x = activations(16, 1536, seed=9)
+    bad = x.clone()
+    bad[5, 1000] = float("nan")
+    for name in KERNELS:
+        if name not in mx_linear._candidates():
+            continue
+        clean, y = mx_linear.run_kernel(name, x), mx_linear.run_kernel(name, bad)
+        assert y[5].isnan().all(), name
+        assert torch.equal(torch.cat([y[:5], y[6:]]), torch.cat([clean[:5], clean[6:]])), name
+
+
+def test_mx_needs_k_a_multiple_of_32():
+    with pytest.raises(ValueError, match="MX activations .* multiple of 32"):
+        Int8Linear(torch.zeros(16, 48).bfloat16(), None, group=MX_GROUP)
