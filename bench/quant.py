@@ -125,7 +125,7 @@ def linear_rows(methods: list[str], dtype) -> list[dict]:
                         t = _best(lambda: mod.run_kernel(name, x), reps=2 if m_rows >= 256 else 10)
                         wbytes = n * k * {"none": dtype.itemsize, "int8": 1, "fp8": 1}[method]
                         rows.append({"out": n, "in": k, "rows": m_rows, "method": method, "kernel": name,
-                                     "act_group": getattr(mod, "group", None),
+                                     "act_group": _group_label(getattr(mod, "group", None)),
                                      "us": round(t * 1e6, 1), "weight_GBps": round(wbytes / t / 1e9, 1),
                                      "chosen": name == mod.kernel_names[min(ROWS.index(m_rows), 2)]})
     return rows
@@ -281,6 +281,13 @@ def _best(fn, reps: int, rounds: int = 5) -> float:
             fn()
         best = min(best, (time.perf_counter() - t0) / reps)
     return best
+
+
+def _group_label(group: int | None) -> int | str | None:
+    """An INT8 linear's activation group as the table prints it: channels a scale, or "mx"."""
+    from kernels.linear import MX_GROUP
+
+    return "mx" if group == MX_GROUP else group
 
 
 def _print_linear(rows: list[dict]) -> None:

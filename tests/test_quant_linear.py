@@ -158,12 +158,35 @@ def test_fp8_checkpoint_weight_and_scale_are_used_as_given():
 def test_int8_activation_group_per_projection():
     from engine.quantization.apply import int8_act_group
 
+    from engine.quantization.apply import int8_down_group
+
     layer = "model.layers.7."
     assert [int8_act_group(layer + p, 576) for p in ("self_attn.qkv_proj", "self_attn.q_proj", "self_attn.o_proj",
                                                        "mlp.gate_up_proj", "mlp.up_proj", "mlp.down_proj")] == \
-        [576, 576, 576, 576, 576, None]                                 # down_proj: the default (32)
+        [576, 576, 576, 576, 576, int8_down_group(576)]                 # down_proj: MX or the default (32)
     assert int8_act_group(layer + "self_attn.qkv_proj", 96) == 96       # one scale per token at any width
     assert int8_act_group(layer + "self_attn.o_proj", 100) == 100
+
+
+def test_down_proj_takes_mx_activations_where_amx_runs(monkeypatch):
+    """int8_down_group: MX where the INT8 kernels run on AMX tiles, groups of 32 elsewhere (the VNNI
+    kernels do twice the work on MX); PDSERVE_INT8_DOWN_ACT overrides it, a bad value is named; an
+    fp32 model (no AMX kernel for fp32 activations) keeps groups of 32; a width MX cannot take
+    (not a multiple of 32) keeps the default."""
+    import engine.quantization.apply as apply
+    from kernels.linear import MX_GROUP, int8_amx_available
+
+    monkeypatch.delenv(apply.INT8_DOWN_ACT_ENV, raising=False)
+    assert apply.int8_down_group(1536) == (MX_GROUP if int8_amx_available() else None)
+    assert apply.int8_down_group(1536, torch.float32) is None
+    monkeypatch.setenv(apply.INT8_DOWN_ACT_ENV, "mx")
+    assert apply.int8_act_group("model.layers.3.mlp.down_proj", 1536) == MX_GROUP
+    assert apply.int8_down_group(100) is None
+    monkeypatch.setenv(apply.INT8_DOWN_ACT_ENV, "g32")
+    assert apply.int8_act_group("model.layers.3.mlp.down_proj", 1536) is None
+    monkeypatch.setenv(apply.INT8_DOWN_ACT_ENV, "fp4")
+    with pytest.raises(ValueError, match="PDSERVE_INT8_DOWN_ACT='fp4': expected mx or g32"):
+        apply.int8_down_group(1536)
 
 
 def test_every_int8_activation_group_entry_takes_effect(monkeypatch):
@@ -216,8 +239,13 @@ def test_quantized_model_predicts_like_the_bf16_model(model_path, tokenizer, sha
     else:
         assert all(m.method == method for m in linears)
         groups = {name: m.group for name, m in runner.model.model.layers[0].named_modules() if isinstance(m, MeasuredLinear)}
+        from engine.quantization.apply import int8_down_group
+        from kernels.linear import MX_GROUP, int8_amx_available
+
+        # apply.INT8_ACT_GROUPS: one scale per token but for down_proj (MX where AMX runs, else 32)
+        assert int8_down_group(1536) == (MX_GROUP if int8_amx_available() else None)
         assert groups == {"self_attn.qkv_proj": 576, "self_attn.o_proj": 576, "mlp.gate_up_proj": 576,
-                          "mlp.down_proj": 32}   # apply.INT8_ACT_GROUPS: one scale per token but for down_proj
+                          "mlp.down_proj": MX_GROUP if int8_amx_available() else 32}
         assert runner.model.head_method.group == 576   # (the residual stream rotated: engine/quantization/rotation.py)
         layers = runner.model.model.layers   # rotated (rotation.py): every norm weight folded into the linears
         assert all(bool((n.weight == 1).all()) for l in layers for n in (l.input_layernorm, l.post_attention_layernorm))

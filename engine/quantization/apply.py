@@ -11,7 +11,8 @@ embedding lookup keeps its own table.
 INT8 is W8A8 with the residual stream rotated first (engine/quantization/rotation.py: a
 randomized Hadamard folded into the weights, QuaRot-style), then one activation scale per token
 for every linear but ``down_proj``, which keeps groups of 32 input channels (kernels.linear.
-ACT_GROUP; INT8_ACT_GROUPS, INT8_HEAD_GROUP). Chosen by perplexity (bf16, WikiText-2,
+ACT_GROUP; INT8_ACT_GROUPS, INT8_HEAD_GROUP), or where AMX runs MX activations of the same
+perplexity at AMX's per-token speed (int8_down_group). Chosen by perplexity (bf16, WikiText-2,
 fake-quantized on 2,047 tokens unless said): without rotation one scale per token costs +4.7% (an
 outlier channel, the "massive activations" of Sun et al. 2024 that the ``down_proj`` inputs of six
 layers carry at 43-1,560x their median, leaves every other channel of its token a few levels);
@@ -57,7 +58,7 @@ bf16, 16,384 WikiText-2 tokens; o_proj's attention outputs carry no outlier chan
 and now one scale per token). Rotated, with the LM head also at one scale per token (8,192
 tokens): +0.11% against +0.68% for the groups of before (qkv and gate_up 64, head 32); the 16-row
 decode step 2-3% faster (Zen 4, 2 threads, A/B in one process, both build orders). down_proj keeps
-32: its inputs, past the SiLU, are not rotated; at 64 outside the six layers whose inputs carry
+32 (or MX: int8_down_group): its inputs, past the SiLU, are not rotated; at 64 outside the six layers whose inputs carry
 the massive activations (2, 9, 10, 11, 28, 29 here: max/median channel amax 48-4,033, the others
 4-28) it cost +0.16% more (unrotated), for ~12% of its 16-row time. Rotated, all layers (Emerald
 Rapids, 2026-12-07; pdserve eval ppl, 8,192 WikiText-2 tokens): groups of 64 / 128 +0.35% /
@@ -97,9 +98,44 @@ INT8_ACT_GROUPS: its input is the rotated stream's final norm (unrotated, 64 cos
 scale per token +0.52% over 32)."""
 
 
-def int8_act_group(name: str, in_features: int) -> int | None:
+INT8_DOWN_ACT_ENV = "PDSERVE_INT8_DOWN_ACT"
+"""Overrides the choice of int8_down_group: ``mx`` or ``g32`` (A/B measurements; a prefill and a
+decode worker must be given the same)."""
+
+
+def int8_down_group(in_features: int, dtype: torch.dtype = torch.bfloat16) -> int | None:
+    """down_proj's INT8 activation group: MX activations (kernels.linear.MX_GROUP) where the INT8
+    kernels run on AMX tiles, else None (kernels.linear's default, groups of 32).
+
+    MX (kernels/csrc/int8_activations.h quantize_row_mx: one scale per token, a power-of-two
+    sub-scale per block of 32 channels, the OCP Microscaling formats' shared exponent, Rouhani et
+    al. 2023) gives each block of 32 the precision of its own scale to within a factor of 2 (the
+    power of two at or below it; 7 octaves under the token's largest block), and turns the product
+    into two per-token products over the same weight (the hi and the lo digits), which AMX runs
+    without a tile store and an fp32 step per group. Emerald Rapids, 2 threads, 2026-12-07:
+    perplexity (pdserve eval ppl, bf16, 8,192 WikiText-2 tokens) +0.10% against +0.14% for groups
+    of 32 (fake-quantized on 16,384 tokens: +0.33% both); down_proj hot at 16 rows 37 us against 49
+    (groups of 32 on w8a8_vnni), at 512 rows 713-878 against 1,000-1,046 (w8a8_vnni_large); one
+    int8 model, down_proj swapped between the two (A/B in one process, rounds of 60-80 steps or 6
+    forwards): a 512-token prefill 1.08-1.18x faster (106.8 -> 94.6 ms, median of 8 rounds), the
+    16-row decode step unchanged (per round 0.94-1.04x: down_proj's weights stream from L3 either
+    way), batch 1 within 1-2% (0.97-1.04x; with the digits' products one after the other, before
+    int8_gemm.cpp's tile_kernel_mx, 4.5% slower). The VNNI kernels run MX too (the same bits) but
+    at twice the vpdpbusd of one scale per token (16 rows: 80 against 49 us), so without AMX
+    down_proj keeps groups of 32."""
+    choice = os.environ.get(INT8_DOWN_ACT_ENV, "")
+    if choice not in ("", "mx", "g32"):
+        raise ValueError(f"{INT8_DOWN_ACT_ENV}={choice!r}: expected mx or g32")
+    from kernels.linear import MX_GROUP, int8_amx_available
+
+    mx = choice == "mx" or (not choice and int8_amx_available(dtype))
+    return MX_GROUP if mx and in_features % 32 == 0 else None
+
+
+def int8_act_group(name: str, in_features: int, dtype: torch.dtype = torch.bfloat16) -> int | None:
     """The activation group of INT8 linear ``name`` (``model.layers.L.<proj>``) with
-    ``in_features`` inputs, or None for kernels.linear's default (act_group)."""
+    ``in_features`` inputs and ``dtype`` activations, or None for kernels.linear's default
+    (act_group); down_proj without an INT8_ACT_GROUPS entry: int8_down_group."""
     from engine.models import llama
 
     # (every entry of INT8_ACT_GROUPS, a fused projection also under its parts' names: an entry for
@@ -109,7 +145,7 @@ def int8_act_group(name: str, in_features: int) -> int | None:
         if name.endswith(("." + projection,) + tuple("." + p for p in parts)):
             group = group or in_features
             return group if in_features % group == 0 else None
-    return None
+    return int8_down_group(in_features, dtype) if name.endswith(".mlp.down_proj") else None
 
 
 FP8_DENSE_PROJECTIONS = ("mlp.down_proj",)
@@ -165,7 +201,7 @@ def apply_quantization(model: nn.Module, method: str, fp8_weights: dict[str, Fp8
                     replaced += 1
                     continue
                 ckpt = checkpoint_weight(fp8_weights or {}, full) if method == "fp8" and full not in weight_scales else None
-                group = int8_act_group(full, child.in_features) if method == "int8" else None
+                group = int8_act_group(full, child.in_features, child.weight.dtype) if method == "int8" else None
                 setattr(parent, child_name, make_linear(child, method, weight_scales.get(full), compute_dtype,
                                                         fp8_weight=ckpt, group=group))
                 replaced += 1
