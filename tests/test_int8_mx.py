@@ -50,14 +50,20 @@ def mx_linear(request, vnni) -> Int8Linear:
 
 def special_rows(k: int) -> torch.Tensor:
     """An all-zero row, a vanishingly small one (amax below 127 x FLT_MIN: scale 1, digits 0), one
-    whose blocks span more than 2^7 (the shift clamps at 7), and exact powers of two (ties)."""
-    rows = torch.zeros(4, k)
+    whose blocks span more than 2^7 (the shift clamps at 7), exact powers of two (ties), and a row
+    at exactly 127 x FLT_MIN (bf16 0x03FE) over a block of the largest subnormal (0x007F), exactly
+    2^7 below it (shift 7: the bits' mantissa rule once gave 6 there)."""
+    rows = torch.zeros(5, k)
     rows[1] = 1e-38
     rows[2, :32] = 1000.
     rows[2, 32:64] = 1e-3
     rows[2, 64:] = torch.linspace(-1, 1, k - 64)
     rows[3] = 2. ** torch.arange(k).remainder(20).float().sub(10)
-    return rows.bfloat16()
+    rows = rows.bfloat16()
+    edge = torch.zeros(k, dtype=torch.int16)
+    edge[0], edge[32] = 0x03FE, 0x007F
+    rows[4] = edge.view(torch.bfloat16)
+    return rows
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
@@ -142,3 +148,19 @@ def test_widths_not_a_multiple_of_64_give_the_same_bits_in_every_kernel(vnni, k)
         x = activations(m, k, seed=m)
         ran = {name: lin.run_kernel(name, x) for name in KERNELS if name in lin._candidates()}
         assert len(ran) >= 2 and all(torch.equal(y, ran["w8a8_vnni"]) for y in ran.values()), (k, m)
+
+
+def test_special_rows_give_the_same_bits_in_every_kernel(mx_linear):
+    """The quantizer's edge rows (special_rows) through every kernel: the VNNI and AMX kernels
+    quantize with the AVX-512 quantizer, the AVX2 one with the portable one. Outputs below FLT_MIN
+    (the edge row's, ~1e-38): the AVX-512 kernels' fp32 -> bf16 rounding (VCVTNEPS2BF16) flushes
+    them to zero, where the AVX2 kernel keeps the subnormal."""
+    x = special_rows(1536)
+    ran = {name: mx_linear.run_kernel(name, x) for name in KERNELS if name in mx_linear._candidates()}
+    ref = ran["w8a8_vnni"]
+    for name, y in ran.items():
+        if name == "w8a8_avx2":
+            tiny = y.float().abs() < torch.finfo(torch.float32).tiny
+            assert torch.equal(y[~tiny], ref[~tiny]) and not ref[tiny].float().any(), name
+        else:
+            assert torch.equal(y, ref), name

@@ -331,8 +331,10 @@ inline void quantize_row_mx(const at::BFloat16* x, int64_t k, int8_t* hi, int8_t
     return;
   }
   // Each block's shift, 16 at once, on the bits: the exponents' difference, one less where the
-  // block's mantissa is the larger (mx_shift's e for every finite amax: a subnormal block under a
-  // row above kMinAmax is more than 2^7 below it either way), 7 for an all-zero block.
+  // block's mantissa is the larger (mx_shift's e for normal block maxima), 7 for a block whose
+  // maximum is zero or subnormal (exponent field 0): under a row at or above kMinAmax (127 x 2^-126)
+  // such a block is at least 2^7 below it (exactly 2^7 for 0x007F under 0x03FE, where the
+  // mantissa rule would give 6), and under a smaller row sx is 1 and every digit 0 whatever e.
   const __m512i rv = _mm512_set1_epi32(static_cast<int>(rmax));
   const __m512i rexp = _mm512_srli_epi32(rv, 7), rman = _mm512_and_si512(rv, _mm512_set1_epi32(0x7F));
   const __m512i one = _mm512_set1_epi32(1), seven = _mm512_set1_epi32(kMxMaxShift);
@@ -341,7 +343,7 @@ inline void quantize_row_mx(const at::BFloat16* x, int64_t k, int8_t* hi, int8_t
     __m512i e = _mm512_sub_epi32(rexp, _mm512_srli_epi32(b, 7));
     e = _mm512_mask_sub_epi32(e, _mm512_cmpgt_epi32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7F)), rman), e, one);
     e = _mm512_min_epi32(_mm512_max_epi32(e, _mm512_setzero_si512()), seven);
-    bmax[s] = _mm512_mask_mov_epi32(e, _mm512_cmpeq_epi32_mask(b, _mm512_setzero_si512()), seven);   // (now the shifts)
+    bmax[s] = _mm512_mask_mov_epi32(e, _mm512_cmplt_epu32_mask(b, _mm512_set1_epi32(0x80)), seven);   // (now the shifts)
   }
   // Pass 2: v = round((x / sx) 2^e), hi = v >> e, lo = (v mod 2^e) 2^(7 - e).
   const __m512 inv = _mm512_set1_ps(1.f / sx);
