@@ -22,7 +22,7 @@ from engine.kv_cache import KVCacheSpec, PagedKVCache
 from engine.model_config import ModelConfig
 from engine.model_loader import resolve_model
 from engine.quantization import check_kv_cache_dtype, check_quantization
-from engine.quantization.apply import apply_quantization
+from engine.quantization.apply import apply_quantization, weights_descriptor
 from engine.quantization.checkpoint import Fp8Weight, split_fp8
 from engine.quantization.kv_scales import CALIBRATION_TEXT, KVScales, calibrate_kv, load_or_calibrate
 from engine.models.llama import LlamaForCausalLM
@@ -76,6 +76,7 @@ class ModelRunner:
         self.layer_ops = self.model.layer_ops.name
         # After loading and before the cache: the linears' kernels are timed here, once.
         apply_quantization(self.model, quantization, fp8_weights=self.model.fp8_checkpoint)
+        self.weights_descriptor = weights_descriptor(self.model, self.quantization)   # (for the KV compat key)
         log.info("linear kernels (1/16/512 rows): %s", kernel_summary(self.model))
         release_freed_memory()   # the weight copies no chosen kernel reads (kernels/linear.py)
         if self.device.type == "cpu":   # every decode step streams the weights from DRAM

@@ -67,10 +67,15 @@ class CompatKey:
     """Everything two caches must agree on before a single byte moves between them: the protocol,
     the model, the cache's KV format descriptor (``engine.kv_cache.KVFormat``: dtype, layout,
     block size, head layout, digest of the FP8 scales), one field each so a refusal names both
-    sides' value of every field that differs, and the speculative config.
+    sides' value of every field that differs, the speculative config and what the weights compute.
 
     speculative: the speculative-decoding config of the pair (engine/spec_decode/config.py
     ``compat_descriptor``: method, draft model identity, k; "none" without speculation).
+    weights: what the worker's linears compute (engine/quantization/apply.py
+    ``weights_descriptor``: the method, and for int8 down_proj's activation scheme, which follows
+    the CPU): a prefill worker whose KV was computed otherwise than the decode worker would
+    continue it gives logprobs that drift apart; "none" for unquantized weights (and from a peer
+    that does not send the field).
     """
 
     protocol_version: int
@@ -83,12 +88,14 @@ class CompatKey:
     layout: str
     kv_scales_digest: str = ""
     speculative: str = "none"
+    weights: str = "none"
 
     @classmethod
-    def from_spec(cls, spec: KVCacheSpec, model_id: str, speculative: str = "none") -> "CompatKey":
+    def from_spec(cls, spec: KVCacheSpec, model_id: str, speculative: str = "none",
+                  weights: str = "none") -> "CompatKey":
         f = spec.kv_format
         return cls(PROTOCOL_VERSION, model_id, f.num_layers, f.num_kv_heads, f.head_dim, f.block_size, f.dtype,
-                   f.layout, kv_scales_digest=f.scales_digest, speculative=speculative)
+                   f.layout, kv_scales_digest=f.scales_digest, speculative=speculative, weights=weights)
 
     def check_matches(self, peer: "CompatKey") -> None:
         """Raise ``IncompatiblePeer`` naming every differing field with both values."""
@@ -105,7 +112,7 @@ class CompatKey:
 
     def check_spec(self, spec: KVCacheSpec) -> None:
         """The key must describe the cache it is registered with."""
-        expected = CompatKey.from_spec(spec, self.model_id, self.speculative)
+        expected = CompatKey.from_spec(spec, self.model_id, self.speculative, self.weights)
         if expected != self:
             raise ValueError(f"compat key {self} does not describe the cache {spec}")
 
@@ -116,11 +123,13 @@ class CompatKey:
     def from_dict(cls, d: dict[str, Any]) -> "CompatKey":
         """Parse a peer's key; raises ``IncompatiblePeer`` if fields are missing or mistyped."""
         try:
-            kwargs = {f.name: d[f.name] for f in fields(cls)}
-        except (KeyError, TypeError) as e:
+            # (weights: absent from the keys of peers older than the field; "none" is what they computed)
+            kwargs = {f.name: d[f.name] if f.name != "weights" else d.get("weights", "none") for f in fields(cls)}
+        except (KeyError, TypeError, AttributeError) as e:
             raise IncompatiblePeer(f"peer metadata has no valid compatibility key: {e!r}") from None
         for f in fields(cls):
-            want = int if f.name not in ("model_id", "kv_dtype", "layout", "kv_scales_digest", "speculative") else str
+            want = int if f.name not in ("model_id", "kv_dtype", "layout", "kv_scales_digest", "speculative",
+                                         "weights") else str
             if type(kwargs[f.name]) is not want:
                 raise IncompatiblePeer(f"peer compatibility key field {f.name}={kwargs[f.name]!r} "
                                        f"is not {want.__name__}")

@@ -59,6 +59,31 @@ def test_pd_pair_with_different_kv_formats_is_refused_at_handshake(ours, theirs,
         decode.close()
 
 
+@pytest.mark.parametrize("ours,theirs", [("int8/down:mx", "int8/down:g32"), ("none", "int8/down:mx")])
+def test_pd_pair_whose_weights_compute_differently_is_refused_at_handshake(ours, theirs):
+    """The same KV format but weights quantized otherwise (int8's down_proj activations follow the
+    CPU: an AMX worker and another one; or bf16 against int8): the KV the prefill worker computed is
+    not what the decode worker would have, so the pair is refused, naming both."""
+    spec = bf16_spec()
+    prefill, decode = create_transport("tcp"), create_transport("tcp")
+    try:
+        prefill.register_cache(PagedKVCache(spec), CompatKey.from_spec(spec, "smollm2", weights=ours))
+        decode_meta = decode.register_cache(PagedKVCache(spec), CompatKey.from_spec(spec, "smollm2", weights=theirs))
+        with pytest.raises(IncompatiblePeer, match=f"weights: ours='{ours}' peer='{theirs}'"):
+            prefill.add_peer(decode_meta)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_peer_key_without_the_weights_field_reads_as_unquantized():
+    key = CompatKey.from_spec(bf16_spec(), "m")
+    old = {k: v for k, v in key.to_dict().items() if k != "weights"}
+    assert CompatKey.from_dict(old) == key and key.weights == "none"
+    with pytest.raises(IncompatiblePeer, match="weights=3 is not str"):
+        CompatKey.from_dict({**old, "weights": 3})
+
+
 def test_fp8_kv_travels_as_fp8_half_the_bytes_of_bf16():
     moved = {}
     for name, spec in (("fp8", fp8_spec()), ("bf16", bf16_spec())):

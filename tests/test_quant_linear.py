@@ -232,6 +232,7 @@ def test_quantized_model_predicts_like_the_bf16_model(model_path, tokenizer, sha
     linears = [m for m in runner.model.model.layers.modules() if isinstance(m, MeasuredLinear)]
     # qkv_proj, o_proj, gate_up_proj, down_proj (Q/K/V and gate/up are fused at load)
     assert len(linears) == 4 * runner.model_config.num_layers
+    assert base.shape and runner.weights_descriptor.startswith(method)
     if method == "fp8":   # down_proj and the last layer stay in the model dtype (apply.FP8_DENSE_*)
         n = runner.model_config.num_layers
         assert sum(m.method == "none" for m in linears) == (n - 1) + 4 and \
@@ -246,6 +247,8 @@ def test_quantized_model_predicts_like_the_bf16_model(model_path, tokenizer, sha
         assert int8_down_group(1536) == (MX_GROUP if int8_amx_available() else None)
         assert groups == {"self_attn.qkv_proj": 576, "self_attn.o_proj": 576, "mlp.gate_up_proj": 576,
                           "mlp.down_proj": MX_GROUP if int8_amx_available() else 32}
+        # (the KV compat key's weights field: engine/quantization/apply.py weights_descriptor)
+        assert runner.weights_descriptor == ("int8/down:mx" if int8_amx_available() else "int8/down:g32")
         assert runner.model.head_method.group == 576   # (the residual stream rotated: engine/quantization/rotation.py)
         layers = runner.model.model.layers   # rotated (rotation.py): every norm weight folded into the linears
         assert all(bool((n.weight == 1).all()) for l in layers for n in (l.input_layernorm, l.post_attention_layernorm))

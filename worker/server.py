@@ -186,7 +186,8 @@ def create_kv_transport(config: WorkerConfig, runner):
     transport = create_transport(config.kv_transport)
     from engine.spec_decode.config import compat_descriptor
 
-    compat = CompatKey.from_spec(runner.kv_cache.spec, runner.model_config.name, compat_descriptor(config.speculative))
+    compat = CompatKey.from_spec(runner.kv_cache.spec, runner.model_config.name, compat_descriptor(config.speculative),
+                                 weights=runner.weights_descriptor)
     if config.kv_faults:  # debug: fault injection (kv_transfer/faults.py)
         from kv_transfer.faults import FaultSpec, FaultyTransport
 

@@ -215,6 +215,19 @@ def apply_quantization(model: nn.Module, method: str, fp8_weights: dict[str, Fp8
     return replaced
 
 
+def weights_descriptor(model: nn.Module, method: str) -> str:
+    """What the decoder's linears compute, for the KV-transfer compat key (kv_transfer/base.py
+    CompatKey.weights): ``method``, and for int8 down_proj's activation scheme ("int8/down:mx" or
+    "int8/down:g32", int8_down_group's choice follows the CPU)."""
+    if method != "int8":
+        return method
+    from kernels.linear import MX_GROUP
+
+    groups = sorted({"mx" if m.group == MX_GROUP else f"g{m.group}" for name, m in model.named_modules()
+                     if name.endswith(".mlp.down_proj") and hasattr(m, "group")})
+    return "int8/down:" + ",".join(groups)
+
+
 def _corrupted_fp8_scales(model: nn.Module, factor: float) -> dict[str, torch.Tensor]:
     """Quantize every decoder linear to E4M3 in place (weight becomes float8_e4m3fn) and return its
     scale times ``factor``, by module name: what a checkpoint with a wrong ``weight_scale`` holds."""
