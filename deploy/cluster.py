@@ -430,16 +430,19 @@ class ClusterController:
 # rounds each): default 82 / 64, GOMP_SPINCOUNT=10000 108 / 112, PASSIVE 293 / 294. So the default
 # stays libgomp's, and a user on a shared host sets OMP_WAIT_POLICY=PASSIVE for `pdserve serve`.
 OPENMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+NUMERICS_VARS = ("PDSERVE_INT8_DOWN_ACT",)
+"""Driver variables that change what a worker computes (engine/quantization/apply.py
+INT8_DOWN_ACT_ENV): every worker must get the same, or the KV compat key refuses their pairing."""
 
 
 def worker_env(num_threads: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The env_vars of a worker actor's runtime_env: OMP_NUM_THREADS = num_threads, and from
-    ``environ`` (default: this process's) the OpenMP wait settings the user set (OPENMP_WAIT_VARS)
-    and the PDSERVE_DEBUG_* hooks. Passed explicitly because the actors of a joined Ray cluster
+    ``environ`` (default: this process's) the OpenMP wait settings the user set (OPENMP_WAIT_VARS),
+    the numerics overrides (NUMERICS_VARS) and the PDSERVE_DEBUG_* hooks. Passed explicitly because the actors of a joined Ray cluster
     (--ray-address) do not inherit the driver's environment."""
     environ = os.environ if environ is None else environ
     env = {"OMP_NUM_THREADS": str(num_threads)}
-    env.update({k: environ[k] for k in OPENMP_WAIT_VARS if environ.get(k)})
+    env.update({k: environ[k] for k in OPENMP_WAIT_VARS + NUMERICS_VARS if environ.get(k)})
     env.update(_debug_env(environ))
     return env
 

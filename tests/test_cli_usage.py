@@ -269,7 +269,8 @@ def test_a_command_that_exits_with_a_status_keeps_it(capsys, monkeypatch):
 def test_worker_env_carries_threads_the_openmp_wait_settings_and_debug_hooks_only():
     """A worker actor's runtime_env: its thread count (not the driver's), the libgomp wait settings
     the user set (read when torch loads, so they must be there from the start; a joined Ray
-    cluster's actors do not inherit the driver's environment) and PDSERVE_DEBUG_* hooks; nothing else."""
+    cluster's actors do not inherit the driver's environment), the numerics overrides and
+    PDSERVE_DEBUG_* hooks; nothing else."""
     from deploy.cluster import worker_env
 
     environ = {"OMP_NUM_THREADS": "7", "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "", "HOME": "/root",
@@ -277,3 +278,7 @@ def test_worker_env_carries_threads_the_openmp_wait_settings_and_debug_hooks_onl
     assert worker_env(2, environ) == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE",
                                       "PDSERVE_DEBUG_FP8_SCALE": "0"}
     assert worker_env(1, {"GOMP_SPINCOUNT": "1000"}) == {"OMP_NUM_THREADS": "1", "GOMP_SPINCOUNT": "1000"}
+    # the INT8 down_proj scheme override (engine/quantization/apply.py): every worker alike
+    from engine.quantization.apply import INT8_DOWN_ACT_ENV
+
+    assert worker_env(1, {INT8_DOWN_ACT_ENV: "g32"}) == {"OMP_NUM_THREADS": "1", INT8_DOWN_ACT_ENV: "g32"}
