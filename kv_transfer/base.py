@@ -128,8 +128,7 @@ class CompatKey:
         except (KeyError, TypeError, AttributeError) as e:
             raise IncompatiblePeer(f"peer metadata has no valid compatibility key: {e!r}") from None
         for f in fields(cls):
-            want = int if f.name not in ("model_id", "kv_dtype", "layout", "kv_scales_digest", "speculative",
-                                         "weights") else str
+            want = str if f.type == "str" else int   # (the annotations, as strings: postponed evaluation)
             if type(kwargs[f.name]) is not want:
                 raise IncompatiblePeer(f"peer compatibility key field {f.name}={kwargs[f.name]!r} "
                                        f"is not {want.__name__}")
