@@ -347,17 +347,13 @@ at::Tensor w8a8_gemm(const at::Tensor& x_in, const at::Tensor& packed, const at:
         const int rows = static_cast<int>(std::min<int64_t>(per_pass, m - r0));
         const OutRows orow = rows_out.from_row(r0);
         const uint8_t* pf = r0 == 0 ? next : nullptr;   // later passes read the unit from cache
-        if (mx_fused && count == nt) {
-          kMxKernels[nt_index(nt)][rows](pass[p], groups, quads, k / 4, wp + t0 * tile_stride, tile_stride, sp, orow,
-                                         16 * t0, n, pf);
-        } else if (mx_fused) {   // the last, partial unit: one tile at a time
-          for (int64_t t = t0; t < t0 + count; ++t)
-            kMxKernels[0][rows](pass[p], groups, quads, k / 4, wp + t * tile_stride, tile_stride, sp, orow, 16 * t, n, nullptr);
-        } else if (count == nt) {
-          kKernels[nt_index(nt)][rows](pass[p], groups, quads, k / 4, wp + t0 * tile_stride, tile_stride, sp, orow, 16 * t0, n, pf);
+        const Kernel unit = mx_fused ? kMxKernels[nt_index(nt)][rows] : kKernels[nt_index(nt)][rows];
+        const Kernel one = mx_fused ? kMxKernels[0][rows] : kKernels[0][rows];
+        if (count == nt) {
+          unit(pass[p], groups, quads, k / 4, wp + t0 * tile_stride, tile_stride, sp, orow, 16 * t0, n, pf);
         } else {   // the last, partial unit: one tile at a time
           for (int64_t t = t0; t < t0 + count; ++t)
-            kKernels[0][rows](pass[p], groups, quads, k / 4, wp + t * tile_stride, tile_stride, sp, orow, 16 * t, n, nullptr);
+            one(pass[p], groups, quads, k / 4, wp + t * tile_stride, tile_stride, sp, orow, 16 * t, n, nullptr);
         }
       }
     }
