@@ -1,6 +1,9 @@
 // The whole decoder-layer stack of one forward in one call: for every layer, RMSNorm (with the
 // residual add), the fused QKV linear, RoPE and the Q/K/V split, the KV-cache write, paged
-// attention, o_proj, the add-norm, the fused gate/up linear, SiLU-and-multiply and down_proj.
+// attention, o_proj, the add-norm, the fused gate/up linear, SiLU-and-multiply and down_proj (where
+// down_proj runs the AMX INT8 kernel, one op that computes the SiLU-and-multiply rows as it quantizes
+// them: silu_mul_w8a8_gemm, the same bits; the 16-row step's median 7.64 -> 7.46 ms, A/B in one
+// process, 10 rounds, Emerald Rapids, a busy host, 2026-12-07).
 //
 // Why: at decode batch sizes the Python loop over 30 layers made ~3,000 Python calls a step
 // (module attribute lookups, the linear and layer-op wrappers, torch.ops overload resolution,
@@ -150,6 +153,13 @@ const c10::TypedOperatorHandle<Int8GemmOut>& w8a8_gemm_amx() {   // int8_gemm_am
   return h;
 }
 
+// w8a8_gemm_amx of silu(gate) * up from the fused gate/up output (int8_gemm_amx.cpp): down_proj's
+// SiLU-and-multiply done where its rows are quantized, the same bits as silu_mul and then the linear.
+const c10::TypedOperatorHandle<Int8GemmOut>& silu_mul_w8a8_gemm_amx() {
+  static const auto h = find("pdserve_int8_amx::silu_mul_w8a8_gemm").typed<Int8GemmOut>();
+  return h;
+}
+
 const c10::OperatorHandle& onednn_linear() {
   static const auto h = find("mkldnn::_linear_pointwise");
   return h;
@@ -265,9 +275,15 @@ std::tuple<at::Tensor, at::Tensor> decoder_loop(at::Tensor& x_in, const std::opt
     h = at::empty(out.sizes(), opts);
     o.add_rms_norm.call(h, out, residual, lt[1], eps);
     at::Tensor gate_up = linear(h, lt + 12, ld + 2 * kDescPerLinear);
-    at::Tensor act = at::empty({t, gate_up.size(1) / 2}, opts);
-    o.silu_mul.call(act, gate_up);
-    x = linear(act, lt + 15, ld + 3 * kDescPerLinear);
+    const int64_t* down = ld + 3 * kDescPerLinear;
+    if (down[0] == kW8A8Amx && gate_up.stride(1) == 1) {   // SiLU-and-multiply fused into down's quantization
+      x = silu_mul_w8a8_gemm_amx().call(gate_up, lt[15], lt[16], down[1], down[2], std::nullopt);
+      if (down[3]) x = x + lt[17];
+    } else {
+      at::Tensor act = at::empty({t, gate_up.size(1) / 2}, opts);
+      o.silu_mul.call(act, gate_up);
+      x = linear(act, lt + 15, down);
+    }
   }
   return {x, residual};
 }

@@ -78,6 +78,7 @@
 #include "amx_tiles.h"
 #include "gemm_output.h"
 #include "int8_activations.h"
+#include "silu_mul.h"
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #define PDSERVE_AMX_INT8 1
@@ -319,16 +320,12 @@ void large_gemm(const Activations& a, int64_t m, int64_t ldq, int64_t kstep, con
 }
 #endif
 
-// out [M, N] bf16 = x [M, K] bf16 (rows contiguous, or copied so) times the packed int8 weight
-// [N/16, K/4, 16, 4] uint8 (kernels/linear.py pack_int8_gemm) with wscale fp32 [16 * tiles] and
-// activation groups of `group` channels (a multiple of 32 dividing K): w8a8_gemm's schema and
-// result (out_dtype float32: the same bf16 values widened, the LM head's logits, gemm_output.h).
-// Errors (RuntimeError, the reason): arguments that do not match (int8_activations.h), a build
-// without AMX-INT8, an OS that refuses the process AMX state.
-at::Tensor w8a8_gemm_amx(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& wscale, int64_t n,
-                         int64_t group, std::optional<at::ScalarType> out_dtype) {
-  const at::Tensor x = pdserve_int8::checked_input(x_in, packed, wscale, n, group);
-  const int64_t m = x.size(0), k = x.size(1), tiles = packed.size(0);
+// out [M, N] of the product below from the activation rows x [M, K] bf16 (rows contiguous), or,
+// with silu, from x = silu(gate) * up of gate_up [M, 2K] (silu_mul.h's values, computed a block of
+// rows at a time just before they are quantized).
+at::Tensor gemm(const at::Tensor& x, int64_t k, bool silu, const at::Tensor& packed, const at::Tensor& wscale,
+                int64_t n, int64_t group, std::optional<at::ScalarType> out_dtype) {
+  const int64_t m = x.size(0), tiles = packed.size(0);
   at::Tensor out = at::empty({m, n}, x.options().dtype(pdserve_gemm_out::out_dtype(out_dtype)));
 #if defined(PDSERVE_AMX_INT8)
   TORCH_CHECK(amx_permitted(), "the OS refused this process AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)");
@@ -350,16 +347,25 @@ at::Tensor w8a8_gemm_amx(const at::Tensor& x_in, const at::Tensor& packed, const
   std::vector<float> sx(blocks * groups * 4);
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   const int64_t ldx = x.stride(0);
-  // (a prefill's rows on every thread: 512 x 576 take ~25 us on one)
-  at::parallel_for(0, blocks, kQuantizeGrain, [&](int64_t b0, int64_t b1) {
+  // (a prefill's rows on every thread: 512 x 576 take ~25 us on one; with silu, a decode's too:
+  // 16 x 1536 SiLU-and-multiply alone took ~9-10 us on 2 threads, more than its quantization)
+  at::parallel_for(0, blocks, silu ? 1 : kQuantizeGrain, [&](int64_t b0, int64_t b1) {
+    std::vector<at::BFloat16> act(silu ? 4 * k : 0);   // a block's silu(gate) * up rows
     for (int64_t b = b0; b < b1; ++b) {
       const int rows = static_cast<int>(std::clamp<int64_t>(m - 4 * b, 0, 4));
+      const at::BFloat16* xb = xp + (rows > 0 ? 4 * b : 0) * ldx;   // the block's rows (ldb apart)
+      int64_t ldb = ldx;
+      if (silu) {
+        for (int r = 0; r < rows; ++r) pdserve_silu::silu_mul_row(xb + r * ldx, xb + r * ldx + k, act.data() + r * k, k);
+        xb = act.data();
+        ldb = k;
+      }
       if (mx) {
         for (int r = 0; r < 4; ++r) {
           int8_t* dst = rows_q.data() + (4 * b + r) * ka;
           float s2[2] = {1.f, 1.f};
           int32_t c2[2] = {0, 0};
-          if (r < rows) pdserve_int8::quantize_row_mx(xp + (4 * b + r) * ldx, k, dst, dst + k, s2, c2);
+          if (r < rows) pdserve_int8::quantize_row_mx(xb + r * ldb, k, dst, dst + k, s2, c2);
           else std::memset(dst, 0, ka);
           for (int g = 0; g < 2; ++g) {
             sx[b * 8 + g * 4 + r] = s2[g];
@@ -369,7 +375,7 @@ at::Tensor w8a8_gemm_amx(const at::Tensor& x_in, const at::Tensor& packed, const
         continue;
       }
       const pdserve_int8::QuantizedRows q{nullptr, sx.data() + b * groups * 4, corr.data() + b * groups * 4, 4};
-      pdserve_int8::quantize_block(xp + (rows > 0 ? 4 * b : 0) * ldx, ldx, rows, k, group, q, rows_q.data() + 4 * b * k, k);
+      pdserve_int8::quantize_block(xb, ldb, rows, k, group, q, rows_q.data() + 4 * b * k, k);
     }
   });
   const Activations a{rows_q.data(), sx.data(), corr.data(), groups, ka, k};
@@ -409,6 +415,34 @@ at::Tensor w8a8_gemm_amx(const at::Tensor& x_in, const at::Tensor& packed, const
   return out;
 }
 
+// out [M, N] bf16 = x [M, K] bf16 (rows contiguous, or copied so) times the packed int8 weight
+// [N/16, K/4, 16, 4] uint8 (kernels/linear.py pack_int8_gemm) with wscale fp32 [16 * tiles] and
+// activation groups of `group` channels (a multiple of 32 dividing K; kMxGroup: MX): w8a8_gemm's
+// schema and result (out_dtype float32: the same bf16 values widened, the LM head's logits,
+// gemm_output.h). Errors (RuntimeError, the reason): arguments that do not match
+// (int8_activations.h), a build without AMX-INT8, an OS that refuses the process AMX state.
+at::Tensor w8a8_gemm_amx(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& wscale, int64_t n,
+                         int64_t group, std::optional<at::ScalarType> out_dtype) {
+  const at::Tensor x = pdserve_int8::checked_input(x_in, packed, wscale, n, group);
+  return gemm(x, x.size(1), false, packed, wscale, n, group, out_dtype);
+}
+
+// w8a8_gemm_amx(silu(gate) * up) for gate_up [M, 2K] bf16 (gate | up, rows contiguous; the fused
+// gate/up projection's output), bit for bit what layer_ops.cpp's silu_mul and then w8a8_gemm_amx
+// give: down_proj's SiLU-and-multiply done where its rows are quantized (as vLLM fuses
+// silu_and_mul with the FP8/INT8 quantization), so a decode step no longer writes and re-reads
+// the [M, K] product, nor forks the threads for it. Errors: w8a8_gemm_amx's, and gate_up not
+// [M, 2K] bf16 with contiguous rows.
+at::Tensor silu_mul_w8a8_gemm_amx(const at::Tensor& gate_up, const at::Tensor& packed, const at::Tensor& wscale,
+                                  int64_t n, int64_t group, std::optional<at::ScalarType> out_dtype) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.stride(1) == 1 &&
+                  gate_up.size(1) % 2 == 0,
+              "gate_up must be bf16 [M, 2K] with contiguous rows (gate | up)");
+  const int64_t k = gate_up.size(1) / 2;
+  pdserve_int8::check_weight(k, packed, wscale, n, group);
+  return gemm(gate_up, k, true, packed, wscale, n, group, out_dtype);
+}
+
 // Whether this build has the kernel and the OS grants this process AMX state.
 bool available() {
 #if defined(PDSERVE_AMX_INT8)
@@ -422,7 +456,12 @@ bool available() {
 
 TORCH_LIBRARY(pdserve_int8_amx, m) {
   m.def("w8a8_gemm(Tensor x, Tensor packed, Tensor wscale, int n, int group=32, ScalarType? out_dtype=None) -> Tensor");
+  m.def("silu_mul_w8a8_gemm(Tensor gate_up, Tensor packed, Tensor wscale, int n, int group=32, "
+        "ScalarType? out_dtype=None) -> Tensor");
   m.def("available() -> bool", &available);
 }
 
-TORCH_LIBRARY_IMPL(pdserve_int8_amx, CPU, m) { m.impl("w8a8_gemm", &w8a8_gemm_amx); }
+TORCH_LIBRARY_IMPL(pdserve_int8_amx, CPU, m) {
+  m.impl("w8a8_gemm", &w8a8_gemm_amx);
+  m.impl("silu_mul_w8a8_gemm", &silu_mul_w8a8_gemm_amx);
+}

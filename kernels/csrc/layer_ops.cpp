@@ -40,6 +40,7 @@
 #include <immintrin.h>
 #endif
 
+#include "silu_mul.h"
 #include "simd_math.h"
 
 namespace {
@@ -61,33 +62,10 @@ inline T from_f32(float x) { return static_cast<T>(x); }   // c10 types round to
 inline __m512 ld(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 ld(const at::BFloat16* p) { return pdserve_simd::load16(p); }
 inline __m512 ld(const at::Half* p) { return pdserve_simd::load16(p); }
-inline void st(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void st(at::BFloat16* p, __m512 v) {
-#if defined(__AVX512BF16__)
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
-#else   // round to nearest even, as c10::BFloat16 does (NaN stays NaN: its payload is kept)
-  __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
-#endif
-}
-inline void st(at::Half* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-// v rounded to T's precision and back (the torch reference's intermediate rounding).
 template <typename T>
-inline __m512 round_to(__m512 v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    alignas(64) T tmp[16];
-    st(tmp, v);
-    return ld(tmp);
-  }
-}
+inline void st(T* p, __m512 v) { pdserve_simd::store16(p, v); }
+template <typename T>
+inline __m512 round_to(__m512 v) { return pdserve_simd::round16<T>(v); }
 
 using pdserve_simd::exp_neg;
 #endif
@@ -253,36 +231,7 @@ void silu_mul_impl(at::Tensor& out, const at::Tensor& gu) {
   T* op = out.data_ptr<T>();
   const int64_t grain = rows * n >= kSiluSplitElements ? std::max<int64_t>(1, kSiluSplitElements / 2 / std::max<int64_t>(1, n)) : rows;
   at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const T *g = src + t * ss, *u = g + n;
-      T* o = op + t * n;
-      int64_t i = 0;
-#if defined(__AVX512F__)
-      if (n % 16 == 0)
-        for (; i < n; i += 16) {
-          // silu(x) = x * sigmoid(x); sigmoid from e = exp(-|x|) <= 1: 1 / (1 + e) for x >= 0, e / (1 + e) below.
-          const __m512 x = ld(g + i);
-          const __m512 e = exp_neg(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
-          const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e));
-          const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-          const __m512 sig = _mm512_mask_mul_ps(inv, neg, inv, e);
-          st(o + i, _mm512_mul_ps(round_to<T>(_mm512_mul_ps(x, sig)), ld(u + i)));
-        }
-#elif defined(__AVX2__) && defined(__FMA__)
-      if constexpr (std::is_same_v<T, float>)   // the fp32 model of CPUs without AVX-512 (the same formula, 8 lanes)
-        for (; i + 8 <= n; i += 8) {
-          const __m256 x = _mm256_loadu_ps(g + i);
-          const __m256 e = pdserve_simd::exp_neg8(_mm256_or_ps(x, _mm256_set1_ps(-0.f)));   // exp(-|x|)
-          const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_add_ps(_mm256_set1_ps(1.f), e));
-          const __m256 sig = _mm256_blendv_ps(inv, _mm256_mul_ps(inv, e), _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
-          _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
-        }
-#endif
-      for (; i < n; ++i) {
-        const float x = f32(g[i]);
-        o[i] = from_f32<T>(f32(from_f32<T>(x / (1.f + std::exp(-x)))) * f32(u[i]));
-      }
-    }
+    for (int64_t t = b; t < e; ++t) pdserve_silu::silu_mul_row(src + t * ss, src + t * ss + n, op + t * n, n);
   });
 }
 

@@ -51,6 +51,35 @@ inline __m512i e4m3_to_bf16x32(const at::Float8_e4m3fn* p) {
 }
 #endif
 
+// 16 fp32 lanes stored as T, rounded to nearest even as c10's types round (bf16 NaN stays NaN, its
+// payload kept); round16<T>: v rounded to T's precision and back (a torch reference's intermediate rounding).
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::BFloat16* p, __m512 v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+#endif
+}
+inline void store16(at::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+template <typename T>
+inline __m512 round16(__m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    alignas(64) T tmp[16];
+    store16(tmp, v);
+    return load16(tmp);
+  }
+}
+
 // exp(x) for x <= 0 (softmax scores minus their running max, -|x| of a sigmoid):
 // 2^n * P(r), n = round(x / ln2), r = x - n ln2 (ln2 split in two parts, Cody-Waite),
 // |r| <= ln2/2, P the degree-6 Taylor polynomial (relative error ~2e-7); x below -87 gives ~0.
