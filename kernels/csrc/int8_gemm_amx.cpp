@@ -433,6 +433,7 @@ at::Tensor w8a8_gemm_amx(const at::Tensor& x_in, const at::Tensor& packed, const
 // medians 1.000, IQR 0.989-1.025 over 60 interleaved pairs of 8-step blocks, in one process). A
 // norm is ~4 us of 16 rows on one thread, and splitting it sends the rows across the cores' caches.
 // The SiLU below gains more (1.013, IQR 0.998-1.021, same method): its op forked the threads itself.
+
 // w8a8_gemm_amx(silu(gate) * up) for gate_up [M, 2K] bf16 (gate | up, rows contiguous; the fused
 // gate/up projection's output), bit for bit what layer_ops.cpp's silu_mul and then w8a8_gemm_amx
 // give: down_proj's SiLU-and-multiply done where its rows are quantized (as vLLM fuses
