@@ -2,7 +2,7 @@
 (``torch.ops.pdserve_int8_amx.silu_mul_w8a8_gemm``, kernels/csrc/int8_gemm_amx.cpp): from the fused
 gate/up output [M, 2K] it gives, bit for bit, what ``pdserve_ops.silu_mul`` and then the AMX INT8
 linear give, at every row count the kernel specializes (1-4, 5-16, ragged passes, 32-row blocks),
-for MX activations and groups of 32, and from a strided view; bad arguments are refused with the
+for MX activations and groups of 32, from strided and column-major views; bad arguments are refused with the
 reason. (The decoder loop that calls it equals the Python loop bit for bit: test_decoder_loop.py.)
 Skipped, with the reason, only on a CPU without AMX-INT8."""
 
@@ -55,6 +55,8 @@ def test_the_fused_op_equals_silu_mul_then_the_linear(amx, group, m):
     assert torch.equal(fused(layer, gu), want)
     wide = torch.cat([gu, gu[:, :64]], dim=1)[:, :3072]   # rows 3136 elements apart
     assert wide.stride(0) == 3136 and torch.equal(fused(layer, wide), want)
+    columns = gu.t().contiguous().t()                      # column-major: copied, as the linear copies x
+    assert (columns.stride(1) != 1) == (m > 1) and torch.equal(fused(layer, columns), want)
 
 
 def test_a_poisoned_row_stays_in_its_row(amx):
@@ -69,7 +71,9 @@ def test_bad_arguments_are_refused_with_the_reason(amx):
     layer = Int8Linear((torch.randn(64, 96) * 0.05).bfloat16(), None, group=MX_GROUP)
     with pytest.raises(RuntimeError, match=r"gate_up must be bf16 \[M, 2K\]"):
         fused(layer, gate_up(4, 96, 0).float())
-    with pytest.raises(RuntimeError, match=r"gate_up must be bf16 \[M, 2K\]"):
+    with pytest.raises(RuntimeError, match=r"gate_up has 191 columns; .* K = 96 .* must be \[M, 192\]"):
         fused(layer, gate_up(4, 96, 0)[:, :191])
-    with pytest.raises(RuntimeError):   # K = 128 against a weight of K = 96
+    with pytest.raises(RuntimeError, match=r"gate_up has 96 columns; .* not silu\(gate\) \* up"):
+        fused(layer, gate_up(4, 96, 0)[:, :96])   # the SiLU product passed where gate | up belongs
+    with pytest.raises(RuntimeError, match=r"gate_up has 256 columns"):
         fused(layer, gate_up(4, 128, 0))

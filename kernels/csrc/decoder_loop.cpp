@@ -276,7 +276,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_loop(at::Tensor& x_in, const std::opt
     o.add_rms_norm.call(h, out, residual, lt[1], eps);
     at::Tensor gate_up = linear(h, lt + 12, ld + 2 * kDescPerLinear);
     const int64_t* down = ld + 3 * kDescPerLinear;
-    if (down[0] == kW8A8Amx && gate_up.stride(1) == 1) {   // SiLU-and-multiply fused into down's quantization
+    if (down[0] == kW8A8Amx) {   // SiLU-and-multiply fused into down's quantization
       x = silu_mul_w8a8_gemm_amx().call(gate_up, lt[15], lt[16], down[1], down[2], std::nullopt);
       if (down[3]) x = x + lt[17];
     } else {

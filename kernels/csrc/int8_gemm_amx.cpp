@@ -438,14 +438,19 @@ at::Tensor w8a8_gemm_amx(const at::Tensor& x_in, const at::Tensor& packed, const
 // gate/up projection's output), bit for bit what layer_ops.cpp's silu_mul and then w8a8_gemm_amx
 // give: down_proj's SiLU-and-multiply done where its rows are quantized (as vLLM fuses
 // silu_and_mul with the FP8/INT8 quantization), so a decode step no longer writes and re-reads
-// the [M, K] product, nor forks the threads for it. Errors: w8a8_gemm_amx's, and gate_up not
-// [M, 2K] bf16 with contiguous rows.
-at::Tensor silu_mul_w8a8_gemm_amx(const at::Tensor& gate_up, const at::Tensor& packed, const at::Tensor& wscale,
+// the [M, K] product, nor forks the threads for it (gate_up's rows copied contiguous first if they
+// are not, as w8a8_gemm_amx copies x). Errors: w8a8_gemm_amx's, and gate_up not bf16 [M, 2K] for
+// the weight's K.
+at::Tensor silu_mul_w8a8_gemm_amx(const at::Tensor& gate_up_in, const at::Tensor& packed, const at::Tensor& wscale,
                                   int64_t n, int64_t group, std::optional<at::ScalarType> out_dtype) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.stride(1) == 1 &&
-                  gate_up.size(1) % 2 == 0,
-              "gate_up must be bf16 [M, 2K] with contiguous rows (gate | up)");
+  TORCH_CHECK(gate_up_in.dim() == 2 && gate_up_in.scalar_type() == at::kBFloat16,
+              "gate_up must be bf16 [M, 2K] (gate | up), got ", gate_up_in.scalar_type(), " ", gate_up_in.sizes());
+  const at::Tensor gate_up = gate_up_in.stride(1) == 1 ? gate_up_in : gate_up_in.contiguous();
   const int64_t k = gate_up.size(1) / 2;
+  if (packed.dim() == 4)   // (check_weight names any other packed shape)
+    TORCH_CHECK(gate_up.size(1) == 2 * packed.size(1) * 4, "gate_up has ", gate_up.size(1),
+                " columns; the packed weight takes K = ", packed.size(1) * 4, " input channels, so gate_up must be [M, ",
+                2 * packed.size(1) * 4, "] (gate | up: the fused gate/up output, not silu(gate) * up)");
   pdserve_int8::check_weight(k, packed, wscale, n, group);
   return gemm(gate_up, k, true, packed, wscale, n, group, out_dtype);
 }
