@@ -170,6 +170,10 @@ const c10::OperatorHandle& mkl_linear() {   // fp32: MKL's prepacked weight (and
   return h;
 }
 
+// y + the linear's bias where it has one (descriptor d, tensors t), added after the product as
+// kernels/linear.py adds it.
+at::Tensor with_bias(const at::Tensor& y, const at::Tensor* t, const int64_t* d) { return d[3] ? y + t[2] : y; }
+
 // x [M, K] -> [M, n], as kernels/linear.py's chosen kernel computes it (bias added after, as there).
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor* t, const int64_t* d) {
   const int64_t kind = d[0], n = d[1], group = d[2];
@@ -213,7 +217,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor* t, const int64_t* d)
     default:
       TORCH_CHECK(false, "decoder_loop: unknown linear kind ", kind);
   }
-  return d[3] ? y + t[2] : y;
+  return with_bias(y, t, d);
 }
 
 std::tuple<at::Tensor, at::Tensor> decoder_loop(at::Tensor& x_in, const std::optional<at::Tensor>& residual_in,
@@ -277,8 +281,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_loop(at::Tensor& x_in, const std::opt
     at::Tensor gate_up = linear(h, lt + 12, ld + 2 * kDescPerLinear);
     const int64_t* down = ld + 3 * kDescPerLinear;
     if (down[0] == kW8A8Amx) {   // SiLU-and-multiply fused into down's quantization
-      x = silu_mul_w8a8_gemm_amx().call(gate_up, lt[15], lt[16], down[1], down[2], std::nullopt);
-      if (down[3]) x = x + lt[17];
+      x = with_bias(silu_mul_w8a8_gemm_amx().call(gate_up, lt[15], lt[16], down[1], down[2], std::nullopt), lt + 15,
+                    down);
     } else {
       at::Tensor act = at::empty({t, gate_up.size(1) / 2}, opts);
       o.silu_mul.call(act, gate_up);

@@ -59,15 +59,12 @@ template <typename T>
 inline T from_f32(float x) { return static_cast<T>(x); }   // c10 types round to nearest even
 
 #if defined(__AVX512F__)
-inline __m512 ld(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 ld(const at::BFloat16* p) { return pdserve_simd::load16(p); }
-inline __m512 ld(const at::Half* p) { return pdserve_simd::load16(p); }
+template <typename T>
+inline __m512 ld(const T* p) { return pdserve_simd::load16(p); }
 template <typename T>
 inline void st(T* p, __m512 v) { pdserve_simd::store16(p, v); }
 template <typename T>
 inline __m512 round_to(__m512 v) { return pdserve_simd::round16<T>(v); }
-
-using pdserve_simd::exp_neg;
 #endif
 
 template <typename T>
