@@ -1,7 +1,7 @@
 """The fused C++ decoder loop (kernels/decoder_loop.py) against the Python layer loop, on the real
 model: the same logits bit for bit (bf16: unquantized, int8, an FP8 KV cache; fp32; prefill chunks in each row bucket,
 a continued chunk, decode steps, a layer hook between layers), and a forward it does not cover
-runs the Python loop.
+runs the Python loop; where int8 down_proj runs on AMX its SiLU goes through the fused op.
 
 Each check asserts which loop ran (``model.decoder_path``), so a fused path that silently fell
 back fails here. Skipped, with the reason, only where the kernel library cannot be built."""
@@ -106,3 +106,16 @@ def test_the_reference_backend_runs_the_python_loop(runner):
     assert runner.model.decoder_path == "python"
     runner.forward([SeqChunk([1, 2, 3], 0, [43], 1)])
     assert runner.model.decoder_path == "fused"
+
+
+def test_int8_down_proj_on_amx_takes_its_silu_in_the_fused_op(runner):
+    """Where down_proj runs the AMX INT8 kernel, the fused loop calls silu_mul_w8a8_gemm once a layer
+    and never silu_mul (int8_gemm_amx.cpp); every other linear kernel keeps silu_mul then the linear."""
+    down = runner.model.model.layers[0].mlp.down_proj
+    fused = getattr(down, "kernel_names", [""] * len(linear.BUCKETS))[linear.bucket_index(5)] == "w8a8_amx"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _forward(runner, [SeqChunk(list(range(60, 65)), 0, [44], 5)], "fused")
+    calls = {e.key: e.count for e in prof.key_averages()}
+    n = runner.model_config.num_layers
+    assert calls.get("pdserve_int8_amx::silu_mul_w8a8_gemm", 0) == (n if fused else 0)
+    assert calls.get("pdserve_ops::silu_mul", 0) == (0 if fused else n)
