@@ -108,14 +108,20 @@ def test_the_reference_backend_runs_the_python_loop(runner):
     assert runner.model.decoder_path == "fused"
 
 
-def test_int8_down_proj_on_amx_takes_its_silu_in_the_fused_op(runner):
-    """Where down_proj runs the AMX INT8 kernel, the fused loop calls silu_mul_w8a8_gemm once a layer
-    and never silu_mul (int8_gemm_amx.cpp); every other linear kernel keeps silu_mul then the linear."""
-    down = runner.model.model.layers[0].mlp.down_proj
-    fused = getattr(down, "kernel_names", [""] * len(linear.BUCKETS))[linear.bucket_index(5)] == "w8a8_amx"
+def test_int8_mlp_on_amx_runs_as_one_op(runner):
+    """Where gate/up and down_proj both run the AMX INT8 kernel, the fused loop calls mlp_w8a8_gemm
+    once a layer (int8_gemm_amx.cpp: the MLP in one parallel region) and neither silu_mul_w8a8_gemm
+    nor silu_mul; where only down_proj does, silu_mul_w8a8_gemm (down_proj's SiLU in its
+    quantization); every other linear kernel keeps silu_mul then the linear."""
+    mlp = runner.model.model.layers[0].mlp
+    bucket = linear.bucket_index(5)
+    amx = [getattr(lin, "kernel_names", [""] * len(linear.BUCKETS))[bucket] == "w8a8_amx"
+           for lin in (mlp.gate_up_proj, mlp.down_proj)]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         _forward(runner, [SeqChunk(list(range(60, 65)), 0, [44], 5)], "fused")
     calls = {e.key: e.count for e in prof.key_averages()}
     n = runner.model_config.num_layers
-    assert calls.get("pdserve_int8_amx::silu_mul_w8a8_gemm", 0) == (n if fused else 0)
-    assert calls.get("pdserve_ops::silu_mul", 0) == (0 if fused else n)
+    want = ("pdserve_int8_amx::mlp_w8a8_gemm" if all(amx) else
+            "pdserve_int8_amx::silu_mul_w8a8_gemm" if amx[1] else "pdserve_ops::silu_mul")
+    for op in ("pdserve_int8_amx::mlp_w8a8_gemm", "pdserve_int8_amx::silu_mul_w8a8_gemm", "pdserve_ops::silu_mul"):
+        assert calls.get(op, 0) == (n if op == want else 0), (op, calls.get(op, 0))

@@ -285,20 +285,22 @@ inline void quantize_block(const at::BFloat16* x, int64_t ldx, int rows, int64_t
 // sx sum_k hi q + sx / 128 sum_k lo q: two per-token products over the same weight, where groups of
 // 32 with their own scales need an fp32 step per group (int8_gemm_amx.cpp). A row holding an inf
 // or a NaN: sx NaN, digits 0 (as group_scale's poisoned groups).
-inline void quantize_row_mx(const at::BFloat16* x, int64_t k, int8_t* hi, int8_t* lo, float* sx2, int32_t* corr2) {
-  const uint16_t* row = reinterpret_cast<const uint16_t*>(x);
-  const int64_t blocks = k / kChunk, sets = (blocks + 15) / 16;
-  // Pass 1: the block amaxes on the bf16 bits (|x| orders as bits & 0x7FFF; inf and NaN above
-  // every finite value), 16 blocks at once: their 16 vectors reduced together by a transpose tree
-  // (lanes of 256, 128, 64 and 32 bits, then the two halves of a dword), each block's maximum
-  // ending in one dword (in the order kTree, put back in block order).
+//
+// In three passes, each over any run of whole blocks, so a row split by channels between threads
+// (int8_gemm_amx.cpp's mlp_w8a8_gemm) is quantized slice by slice with the same bits: mx_block_maxes
+// (each block's amax, and the slice's), then, with the row's amax from every slice, mx_scale and
+// mx_shifts, and mx_digits (the digits and their sums; corr2 from the slices' sums added).
+
+// Pass 1 over `blocks` blocks of 32 channels from row (bf16 bits): bmax[s] holds blocks 16 s ..
+// 16 s + 15 (one dword each, as the bits of |x|'s maximum: |x| orders as bits & 0x7FFF, inf and
+// NaN above every finite value), computed 16 blocks at once by a transpose tree (lanes of 256,
+// 128, 64 and 32 bits, then the two halves of a dword; each block's maximum ends in one dword, in
+// the order kTree, put back in block order). Returns the maximum over the run.
+inline uint32_t mx_block_maxes(const uint16_t* row, int64_t blocks, __m512i* bmax) {
   const __m512i abs_mask = _mm512_set1_epi16(0x7FFF), low16 = _mm512_set1_epi32(0xFFFF);
   const __m512i tree_order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
-  __m512i bmax_stack[16];
-  std::vector<__m512i> bmax_heap(sets > 16 ? sets : 0);
-  __m512i* bmax = sets > 16 ? bmax_heap.data() : bmax_stack;
   __m512i rowmax = _mm512_setzero_si512();
-  for (int64_t s = 0; s < sets; ++s) {
+  for (int64_t s = 0; s < (blocks + 15) / 16; ++s) {
     __m512i v[16];
     for (int j = 0; j < 16; ++j) {
       const int64_t c = 16 * s + j;
@@ -317,39 +319,46 @@ inline void quantize_row_mx(const at::BFloat16* x, int64_t k, int8_t* hi, int8_t
     bmax[s] = _mm512_permutexvar_epi32(tree_order, m);
     rowmax = _mm512_max_epu32(rowmax, bmax[s]);
   }
-  const uint32_t rmax = _mm512_reduce_max_epu32(rowmax);
+  return _mm512_reduce_max_epu32(rowmax);
+}
+
+// sx from the row's amax bits (the maximum of mx_block_maxes over its slices): group_scale's.
+inline float mx_scale(uint32_t rmax) {
   const uint32_t rbits = rmax << 16;
   float amax;
   std::memcpy(&amax, &rbits, sizeof amax);
-  const float sx = group_scale(amax);
-  sx2[0] = sx;
-  sx2[1] = sx * (1.f / 128.f);
-  if (std::isnan(sx)) {
-    std::memset(hi, 0, k);
-    std::memset(lo, 0, k);
-    corr2[0] = corr2[1] = 0;
-    return;
-  }
-  // Each block's shift, 16 at once, on the bits: the exponents' difference, one less where the
-  // block's mantissa is the larger (mx_shift's e for normal block maxima), 7 for a block whose
-  // maximum is zero or subnormal (exponent field 0): under a row at or above kMinAmax (127 x 2^-126)
-  // such a block is at least 2^7 below it (exactly 2^7 for 0x007F under 0x03FE, where the
-  // mantissa rule would give 6), and under a smaller row sx is 1 and every digit 0 whatever e.
+  return group_scale(amax);
+}
+
+// Each block's shift in place of its maximum (bmax, `blocks` blocks), from the row's amax bits:
+// the exponents' difference, one less where the block's mantissa is the larger (mx_shift's e for
+// normal block maxima), 7 for a block whose maximum is zero or subnormal (exponent field 0): under
+// a row at or above kMinAmax (127 x 2^-126) such a block is at least 2^7 below it (exactly 2^7 for
+// 0x007F under 0x03FE, where the mantissa rule would give 6), and under a smaller row sx is 1 and
+// every digit 0 whatever e.
+inline void mx_shifts(__m512i* bmax, int64_t blocks, uint32_t rmax) {
   const __m512i rv = _mm512_set1_epi32(static_cast<int>(rmax));
   const __m512i rexp = _mm512_srli_epi32(rv, 7), rman = _mm512_and_si512(rv, _mm512_set1_epi32(0x7F));
   const __m512i one = _mm512_set1_epi32(1), seven = _mm512_set1_epi32(kMxMaxShift);
-  for (int64_t s = 0; s < sets; ++s) {
+  for (int64_t s = 0; s < (blocks + 15) / 16; ++s) {
     const __m512i b = bmax[s];
     __m512i e = _mm512_sub_epi32(rexp, _mm512_srli_epi32(b, 7));
     e = _mm512_mask_sub_epi32(e, _mm512_cmpgt_epi32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7F)), rman), e, one);
     e = _mm512_min_epi32(_mm512_max_epi32(e, _mm512_setzero_si512()), seven);
-    bmax[s] = _mm512_mask_mov_epi32(e, _mm512_cmplt_epu32_mask(b, _mm512_set1_epi32(0x80)), seven);   // (now the shifts)
+    bmax[s] = _mm512_mask_mov_epi32(e, _mm512_cmplt_epu32_mask(b, _mm512_set1_epi32(0x80)), seven);
   }
-  // Pass 2: v = round((x / sx) 2^e), hi = v >> e, lo = (v mod 2^e) 2^(7 - e).
+}
+
+// Pass 2 over `blocks` blocks from row, with their shifts (mx_shifts) and the row's sx (not NaN):
+// v = round((x / sx) 2^e), hi = v >> e, lo = (v mod 2^e) 2^(7 - e) into hi, lo [32 blocks]; the
+// digits' sums added to sums[0] (hi) and sums[1] (lo).
+inline void mx_digits(const uint16_t* row, int64_t blocks, const __m512i* shifts, float sx, int8_t* hi, int8_t* lo,
+                      int32_t* sums) {
   const __m512 inv = _mm512_set1_ps(1.f / sx);
+  const __m512i one = _mm512_set1_epi32(1), seven = _mm512_set1_epi32(kMxMaxShift);
   __m512i sum_hi = _mm512_setzero_si512(), sum_lo = _mm512_setzero_si512();
   for (int64_t c = 0; c < blocks; ++c) {
-    const __m512i shift = _mm512_permutexvar_epi32(_mm512_set1_epi32(static_cast<int>(c & 15)), bmax[c >> 4]);
+    const __m512i shift = _mm512_permutexvar_epi32(_mm512_set1_epi32(static_cast<int>(c & 15)), shifts[c >> 4]);
     const __m512 pow2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(shift, _mm512_set1_epi32(127)), 23));
     const __m512i up = _mm512_sub_epi32(seven, shift), low = _mm512_sub_epi32(_mm512_sllv_epi32(one, shift), one);
     for (int half = 0; half < 2; ++half) {
@@ -364,8 +373,31 @@ inline void quantize_row_mx(const at::BFloat16* x, int64_t k, int8_t* hi, int8_t
       _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + c * kChunk + 16 * half), _mm512_cvtepi32_epi8(l));
     }
   }
-  corr2[0] = -128 * _mm512_reduce_add_epi32(sum_hi);
-  corr2[1] = -128 * _mm512_reduce_add_epi32(sum_lo);
+  sums[0] += _mm512_reduce_add_epi32(sum_hi);
+  sums[1] += _mm512_reduce_add_epi32(sum_lo);
+}
+
+inline void quantize_row_mx(const at::BFloat16* x, int64_t k, int8_t* hi, int8_t* lo, float* sx2, int32_t* corr2) {
+  const uint16_t* row = reinterpret_cast<const uint16_t*>(x);
+  const int64_t blocks = k / kChunk, sets = (blocks + 15) / 16;
+  __m512i bmax_stack[16];
+  std::vector<__m512i> bmax_heap(sets > 16 ? sets : 0);
+  __m512i* bmax = sets > 16 ? bmax_heap.data() : bmax_stack;
+  const uint32_t rmax = mx_block_maxes(row, blocks, bmax);
+  const float sx = mx_scale(rmax);
+  sx2[0] = sx;
+  sx2[1] = sx * (1.f / 128.f);
+  if (std::isnan(sx)) {
+    std::memset(hi, 0, k);
+    std::memset(lo, 0, k);
+    corr2[0] = corr2[1] = 0;
+    return;
+  }
+  mx_shifts(bmax, blocks, rmax);
+  int32_t sums[2] = {0, 0};
+  mx_digits(row, blocks, bmax, sx, hi, lo, sums);
+  corr2[0] = -128 * sums[0];
+  corr2[1] = -128 * sums[1];
 }
 #endif
 
