@@ -125,3 +125,18 @@ def test_int8_mlp_on_amx_runs_as_one_op(runner):
             "pdserve_int8_amx::silu_mul_w8a8_gemm" if amx[1] else "pdserve_ops::silu_mul")
     for op in ("pdserve_int8_amx::mlp_w8a8_gemm", "pdserve_int8_amx::silu_mul_w8a8_gemm", "pdserve_ops::silu_mul"):
         assert calls.get(op, 0) == (n if op == want else 0), (op, calls.get(op, 0))
+
+
+def test_int8_qkv_on_amx_rotates_and_writes_the_cache_in_its_epilogue(runner):
+    """Where the QKV linear runs the AMX INT8 kernel over a bf16 cache, the fused loop calls
+    qkv_rope_w8a8_gemm once a layer and neither rope_split nor write_kv_cache (int8_gemm_amx.cpp);
+    every other kernel keeps the linear, rope_split and write_kv_cache."""
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj
+    amx = getattr(qkv, "kernel_names", [""] * len(linear.BUCKETS))[linear.bucket_index(5)] == "w8a8_amx"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _forward(runner, [SeqChunk(list(range(60, 65)), 0, [45], 5)], "fused")
+    calls = {e.key: e.count for e in prof.key_averages()}
+    n = runner.model_config.num_layers
+    assert calls.get("pdserve_int8_amx::qkv_rope_w8a8_gemm", 0) == (n if amx else 0)
+    for op in ("pdserve_ops::rope_split", "pdserve_attn::write_kv_cache"):
+        assert calls.get(op, 0) == (0 if amx else n), op

@@ -79,6 +79,7 @@
 #include "amx_tiles.h"
 #include "gemm_output.h"
 #include "int8_activations.h"
+#include "rope.h"
 #include "silu_mul.h"
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -472,43 +473,51 @@ at::Tensor silu_mul_w8a8_gemm_amx(const at::Tensor& gate_up_in, const at::Tensor
 // down_proj's product reads whole, cross between the cores.
 //
 // Runs for M <= 16 rows (one tile pass), gate_up at one scale per token, down_proj with MX
-// activations and I a multiple of 64; otherwise the two ops, as apart. The scratch rows are the
-// calling thread's, kept between calls (zeroed vectors of 98 KB a call cost more than the fusion
-// gains). Emerald Rapids, 2 threads, a busy host, 2026-12-07: SmolLM2-135M's MLP at 16 rows, 30
-// layers' weights in turn, 117 against 121 us (hot: 76 against 85); the 16-row decode step 1.6%
-// faster (median of 60 interleaved A/B pairs of 8-step blocks in one process, IQR 0-3.9%), 8 rows
-// 1.1%. Per thread (us, cold): gate/up and SiLU 54, block maxima 2, barrier 1.3, digits 6,
-// barrier 1.5, down_proj 35 / 29.5 (its 9 units split 5 / 4). Not kept: down_proj's first unit
-// asked into L2 during the digits and barriers (1.000).
+// activations and I a multiple of 64; otherwise the two ops, as apart. Emerald Rapids, 2 threads,
+// a busy host, 2026-12-07: SmolLM2-135M's MLP at 16 rows, 30 layers' weights in turn, 117 against
+// 121 us (hot: 76 against 85); the 16-row decode step 1.6% faster (median of 60 interleaved A/B
+// pairs of 8-step blocks in one process, IQR 0-3.9%), 8 rows 1.1%. Per thread (us, cold): gate/up
+// and SiLU 54, block maxima 2, barrier 1.3, digits 6, barrier 1.5, down_proj 35 / 29.5 (its 9
+// units split 5 / 4). Not kept: down_proj's first unit asked into L2 during the digits and
+// barriers (1.000); down_proj's tiles split 18 / 18 between the threads instead of its units
+// (the MLP alone 1% faster, the step 0.998, noise).
 #if defined(PDSERVE_AMX_INT8)
 constexpr int64_t kPairChannels = 16 * kNT;   // the channels of one gate/up unit pair
+
+// The scratch of the fused decode ops below: the calling thread's, kept between calls and not
+// zeroed (every row a tile reads, rows < M, is written first; zeroed vectors of 98 KB a call cost
+// the MLP more than its fusion gained). Read through the pointers it returns: inside a parallel
+// region a thread_local's name is each thread's own.
+template <typename T, int Slot>
+T* scratch(int64_t elements) {
+  thread_local std::vector<T> buf;
+  if (static_cast<int64_t>(buf.size()) < elements) buf.resize(elements);
+  return buf.data();
+}
+
+// x [M <= 16, K] bf16 (rows contiguous) at one scale per token into xq [M][K], sx, corr [16]:
+// quantize_block's values, as gemm quantizes them. Returns their Activations.
+Activations quantize_per_token(const at::Tensor& x, int8_t* xq, float* sx, int32_t* corr) {
+  const int64_t m = x.size(0), k = x.size(1);
+  for (int64_t b = 0; b < (m + 3) / 4; ++b) {
+    const int rows = static_cast<int>(std::min<int64_t>(m - 4 * b, 4));
+    const pdserve_int8::QuantizedRows q{nullptr, sx + 4 * b, corr + 4 * b, 4};
+    pdserve_int8::quantize_block(x.data_ptr<at::BFloat16>() + 4 * b * x.stride(0), x.stride(0), rows, k, k, q,
+                                 xq + 4 * b * k, k);
+  }
+  return {xq, sx, corr, 1, k, k};
+}
 
 at::Tensor mlp_region(const at::Tensor& x, const at::Tensor& gu_packed, const at::Tensor& gu_wscale,
                       const at::Tensor& down_packed, const at::Tensor& down_wscale, int64_t n) {
   const int64_t m = x.size(0), h = x.size(1), inter = down_packed.size(1) * 4;
   at::Tensor out = at::empty({m, n}, x.options());
   const pdserve_gemm_out::OutRows op = pdserve_gemm_out::out_rows(out);
-  // gate_up's activations at one scale per token, quantize_block's values (as gemm quantizes them)
-  const int64_t blocks = (m + 3) / 4;
-  // (scratch kept between calls, not zeroed: every row a tile reads, rows < m, is written first)
-  // (thread_local: read through the pointers below, as a name inside the region is each thread's own)
-  thread_local std::vector<int8_t> xq_buf, digits_buf;
-  thread_local std::vector<at::BFloat16> act_buf;
-  xq_buf.resize(std::max<size_t>(xq_buf.size(), kMaxRows * h));
-  act_buf.resize(std::max<size_t>(act_buf.size(), kMaxRows * inter));
-  digits_buf.resize(std::max<size_t>(digits_buf.size(), kMaxRows * 2 * inter));
-  int8_t* const xq = xq_buf.data();
-  int8_t* const digits = digits_buf.data();
-  at::BFloat16* const act = act_buf.data();
+  int8_t* const digits = scratch<int8_t, 1>(kMaxRows * 2 * inter);
+  at::BFloat16* const act = scratch<at::BFloat16, 0>(kMaxRows * inter);
   int32_t xcorr[kMaxRows];
   float xsx[kMaxRows];
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int rows = static_cast<int>(std::min<int64_t>(m - 4 * b, 4));
-    const pdserve_int8::QuantizedRows q{nullptr, xsx + 4 * b, xcorr + 4 * b, 4};
-    pdserve_int8::quantize_block(x.data_ptr<at::BFloat16>() + 4 * b * x.stride(0), x.stride(0), rows, h, h, q,
-                                 xq + 4 * b * h, h);
-  }
-  const Activations ax{xq, xsx, xcorr, 1, h, h};
+  const Activations ax = quantize_per_token(x, scratch<int8_t, 0>(kMaxRows * h), xsx, xcorr);
   // what the threads share: silu(gate) * up [M, I] bf16, down's digits [M, 2I] (hi | lo), and per
   // thread and row the amax bits of its channels, then its digit sums (hi, lo)
   const int64_t kstep_gu = h % 64 == 0 ? 64 : 32, kstep_down = 64;   // (down: I a multiple of 64)
@@ -636,6 +645,119 @@ at::Tensor mlp_w8a8_gemm_amx(const at::Tensor& x_in, const at::Tensor& gu_packed
   return silu_linear.call(gate_up, down_packed, down_wscale, n, down_group, std::nullopt);
 }
 
+// The fused QKV projection of a decode step with RoPE and the KV-cache write in its epilogue:
+// w8a8_gemm_amx of x by the qkv weight, then what layer_ops.cpp's rope_split and
+// kv_cache_write.cpp's write_kv_cache do with its output, the same bits: q rotated into q, k
+// rotated and v copied into the caches at the tokens' slots.
+//
+// Why: at 16 rows rope_split (~3.5 us) and write_kv_cache (~2.3 us) run on one thread while the
+// other waits, a layer, and the [M, (Hq + 2 Hkv) D] output is written and read back between them.
+// Here a unit of the product is 64 columns, one head when D = 64: the thread that computes a head
+// rotates it (q, k) or copies it (v) from its L1 into place, so RoPE and the cache write are split
+// over the threads, and no qkv tensor exists.
+//
+// Runs for M <= 16 rows at one scale per token, D = 64, bf16 caches [num_blocks, block_size, Hkv,
+// D] with each token's row contiguous; otherwise the three ops, as apart. Emerald Rapids, 2
+// threads, 2026-12-07: SmolLM2-135M's 16-row decode step 4.3-5.0% faster (two runs of 60
+// interleaved A/B pairs of 8-step blocks in one process, IQR 2.8-6.1%), 8 rows 2.0% (IQR 1.3-3.2%):
+// more than the two ops' own ~6 us a layer, as neither the qkv output nor k and v are written,
+// allocated and read back.
+#if defined(PDSERVE_AMX_INT8)
+void qkv_region(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& wscale, const float* cos,
+                const float* sin, at::Tensor& q, at::Tensor& key_cache, at::Tensor& value_cache, const int64_t* slots) {
+  const int64_t m = x.size(0), h = x.size(1), hq = q.size(1), hkv = key_cache.size(2), d = kPairChannels, half = d / 2;
+  int32_t xcorr[kMaxRows];
+  float xsx[kMaxRows];
+  const Activations ax = quantize_per_token(x, scratch<int8_t, 0>(kMaxRows * h), xsx, xcorr);
+  const int64_t kstep = h % 64 == 0 ? 64 : 32, heads = hq + 2 * hkv, tile_stride = h * 16;
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = wscale.data_ptr<float>();
+  at::BFloat16* qp = q.data_ptr<at::BFloat16>();
+  at::BFloat16 *kc = key_cache.data_ptr<at::BFloat16>(), *vc = value_cache.data_ptr<at::BFloat16>();
+  const int64_t bs = key_cache.size(1), ks0 = key_cache.stride(0), ks1 = key_cache.stride(1),
+                vs0 = value_cache.stride(0), vs1 = value_cache.stride(1);
+  // (gemm's split: threads only with 128 KB of weight or more for each)
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (tile_stride * kNT));
+  at::parallel_for(0, heads, grain, [&](int64_t u0, int64_t u1) {
+    alignas(64) int32_t isum[kMaxRows * 64];
+    alignas(64) float facc[kMaxRows * 64];
+    alignas(64) at::BFloat16 head[kMaxRows * kPairChannels];
+    configure_tiles(static_cast<int>(m), static_cast<int>(kstep));
+    for (int64_t u = u0; u < u1; ++u) {
+      const uint8_t* w = wp + u * kNT * tile_stride;
+      const uint8_t* next = u + kPrefetchUnits < u1 ? w + kPrefetchUnits * kNT * tile_stride
+                            : u + 1 < u1          ? wp + (u1 - 1) * kNT * tile_stride
+                                                  : nullptr;
+      unit_pass<kNT>(ax, 0, static_cast<int>(m), h, kstep, w, tile_stride, next, sp + u * d, isum, facc,
+                     {head, d, false}, 0, d);
+      for (int64_t t = 0; t < m; ++t) {
+        const at::BFloat16* row = head + t * d;
+        const float *c = cos + t * half, *sn = sin + t * half;
+        if (u < hq) {
+          pdserve_rope::rotate(qp + (t * hq + u) * d, row, c, sn, half);
+        } else if (u < hq + hkv) {
+          pdserve_rope::rotate(kc + (slots[t] / bs) * ks0 + (slots[t] % bs) * ks1 + (u - hq) * d, row, c, sn, half);
+        } else {
+          std::memcpy(vc + (slots[t] / bs) * vs0 + (slots[t] % bs) * vs1 + (u - hq - hkv) * d, row, sizeof(*row) * d);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+// x [M, H] bf16 by the packed qkv weight (n = (Hq + 2 Hkv) D outputs, activation group `group`),
+// then rope_split's q into q [M, Hq, D] (contiguous, bf16) and its k and v into key_cache and
+// value_cache ([num_blocks, block_size, Hkv, D]) at slot_mapping [M] (int64), as write_kv_cache
+// stores them: bit for bit w8a8_gemm_amx, rope_split and write_kv_cache; one parallel region
+// (qkv_region) where the shapes allow, else those three ops. cos, sin: fp32 [M, D/2]. Errors
+// (RuntimeError, the reason): w8a8_gemm_amx's, rope_split's, write_kv_cache's, and n not (Hq + 2
+// Hkv) D for q's and the caches' heads.
+void qkv_rope_w8a8_gemm_amx(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& wscale, int64_t n,
+                            int64_t group, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& q,
+                            at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  const at::Tensor x = pdserve_int8::checked_input(x_in, packed, wscale, n, group);
+  const int64_t m = x.size(0);
+  TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && q.size(0) == m &&
+                  n == (q.size(1) + 2 * key_cache.size(2)) * q.size(2),
+              "q must be [M, Hq, D] and the caches [num_blocks, block_size, Hkv, D] with (Hq + 2 Hkv) D = n = ", n,
+              " outputs; got q ", q.sizes(), ", key_cache ", key_cache.sizes());
+#if defined(PDSERVE_AMX_INT8)
+  TORCH_CHECK(amx_permitted(), "the OS refused this process AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)");
+  const auto bf16 = at::kBFloat16;
+  const bool rows_contiguous = key_cache.stride(3) == 1 && key_cache.stride(2) == key_cache.size(3) &&
+                               value_cache.stride(3) == 1 && value_cache.stride(2) == value_cache.size(3);
+  if (m > 0 && m <= kMaxRows && group == x.size(1) && q.size(2) == kPairChannels && q.is_contiguous() &&
+      q.scalar_type() == bf16 && key_cache.scalar_type() == bf16 && value_cache.scalar_type() == bf16 &&
+      value_cache.sizes() == key_cache.sizes() && rows_contiguous && packed.size(0) * 16 == n &&
+      cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+      sin.is_contiguous() && cos.numel() == m * kPairChannels / 2 && sin.numel() == cos.numel() &&
+      slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == m) {
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    const int64_t capacity = key_cache.size(0) * key_cache.size(1);
+    for (int64_t t = 0; t < m; ++t)   // (write_kv_cache's check and message)
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < capacity, "slot ", slots[t], " outside the cache's ", capacity, " slots");
+    qkv_region(x, packed, wscale, cos.data_ptr<float>(), sin.data_ptr<float>(), q, key_cache, value_cache, slots);
+    return;
+  }
+#endif
+  // (through the dispatcher, as mlp_w8a8_gemm's other way)
+  using Gemm = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                          std::optional<at::ScalarType>);
+  using Rope = void(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+  using WriteKv = void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+                       const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
+  auto& d = c10::Dispatcher::singleton();
+  static const auto linear = d.findSchemaOrThrow("pdserve_int8_amx::w8a8_gemm", "").typed<Gemm>();
+  static const auto rope = d.findSchemaOrThrow("pdserve_ops::rope_split", "").typed<Rope>();
+  static const auto write_kv = d.findSchemaOrThrow("pdserve_attn::write_kv_cache", "").typed<WriteKv>();
+  const at::Tensor qkv = linear.call(x, packed, wscale, n, group, std::nullopt);
+  at::Tensor k = at::empty({m, key_cache.size(2), q.size(2)}, qkv.options()), v = at::empty(k.sizes(), qkv.options());
+  rope.call(q, k, v, qkv, cos, sin);
+  write_kv.call(k, v, key_cache, value_cache, slot_mapping, std::nullopt, std::nullopt);
+}
+
 // Whether this build has the kernel and the OS grants this process AMX state.
 bool available() {
 #if defined(PDSERVE_AMX_INT8)
@@ -653,6 +775,8 @@ TORCH_LIBRARY(pdserve_int8_amx, m) {
         "ScalarType? out_dtype=None) -> Tensor");
   m.def("mlp_w8a8_gemm(Tensor x, Tensor gu_packed, Tensor gu_wscale, int gu_n, int gu_group, Tensor down_packed, "
         "Tensor down_wscale, int n, int down_group) -> Tensor");
+  m.def("qkv_rope_w8a8_gemm(Tensor x, Tensor packed, Tensor wscale, int n, int group, Tensor cos, Tensor sin, "
+        "Tensor(a!) q, Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping) -> ()");
   m.def("available() -> bool", &available);
 }
 
@@ -660,4 +784,5 @@ TORCH_LIBRARY_IMPL(pdserve_int8_amx, CPU, m) {
   m.impl("w8a8_gemm", &w8a8_gemm_amx);
   m.impl("silu_mul_w8a8_gemm", &silu_mul_w8a8_gemm_amx);
   m.impl("mlp_w8a8_gemm", &mlp_w8a8_gemm_amx);
+  m.impl("qkv_rope_w8a8_gemm", &qkv_rope_w8a8_gemm_amx);
 }

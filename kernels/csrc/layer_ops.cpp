@@ -40,6 +40,7 @@
 #include <immintrin.h>
 #endif
 
+#include "rope.h"
 #include "silu_mul.h"
 #include "simd_math.h"
 
@@ -164,25 +165,6 @@ void add_rms_norm(at::Tensor& out, const at::Tensor& x, at::Tensor& residual, co
   dispatch(x.scalar_type(), [&](auto tag) { norm_impl<decltype(tag)>(out, x, &residual, weight, eps); });
 }
 
-// One head (length d, half = d / 2) rotated: o[i] = x[i] c[i] - x[i+half] s[i], o[i+half] = x[i+half] c[i] + x[i] s[i].
-template <typename T>
-inline void rotate(T* o, const T* x, const float* c, const float* s, int64_t half) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  if (half % 16 == 0)
-    for (; i < half; i += 16) {
-      const __m512 x0 = ld(x + i), x1 = ld(x + half + i), vc = _mm512_loadu_ps(c + i), vs = _mm512_loadu_ps(s + i);
-      st(o + i, _mm512_fnmadd_ps(x1, vs, _mm512_mul_ps(x0, vc)));
-      st(o + half + i, _mm512_fmadd_ps(x0, vs, _mm512_mul_ps(x1, vc)));
-    }
-#endif
-  for (; i < half; ++i) {
-    const float x0 = f32(x[i]), x1 = f32(x[half + i]);
-    o[i] = from_f32<T>(x0 * c[i] - x1 * s[i]);
-    o[half + i] = from_f32<T>(x1 * c[i] + x0 * s[i]);
-  }
-}
-
 template <typename T>
 void rope_impl(at::Tensor& q, at::Tensor& k, at::Tensor& v, const at::Tensor& qkv, const at::Tensor& cos,
                const at::Tensor& sin) {
@@ -196,8 +178,8 @@ void rope_impl(at::Tensor& q, at::Tensor& k, at::Tensor& v, const at::Tensor& qk
     for (int64_t t = b; t < e; ++t) {
       const T* row = src + t * ss;
       const float *c = cp + t * half, *s = sp + t * half;
-      for (int64_t h = 0; h < hq; ++h) rotate(qp + (t * hq + h) * d, row + h * d, c, s, half);
-      for (int64_t h = 0; h < hkv; ++h) rotate(kp + (t * hkv + h) * d, row + (hq + h) * d, c, s, half);
+      for (int64_t h = 0; h < hq; ++h) pdserve_rope::rotate(qp + (t * hq + h) * d, row + h * d, c, s, half);
+      for (int64_t h = 0; h < hkv; ++h) pdserve_rope::rotate(kp + (t * hkv + h) * d, row + (hq + h) * d, c, s, half);
       std::memcpy(vp + t * hkv * d, row + (hq + hkv) * d, sizeof(T) * hkv * d);
     }
   });
