@@ -487,3 +487,8 @@ def test_the_kv_write_stores_the_reference_bytes(cpu, x_dtype, cache_dtype, scal
     assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
     with pytest.raises(RuntimeError, match="outside the cache"):
         cpu.write_kv_cache(k[:1], v[:1], caches[2], caches[3], torch.tensor([NUM_BLOCKS * 16]), ks, vs)
+    # a value cache of fewer blocks than the key cache: its own capacity bounds the slots (a break-it
+    # pass found the value row written past the end of a half-size value cache)
+    small = caches[3][: NUM_BLOCKS // 2].clone()
+    with pytest.raises(RuntimeError, match="outside the cache's .* slots .*different numbers of slots"):
+        cpu.write_kv_cache(k[:1], v[:1], caches[2], small, torch.tensor([NUM_BLOCKS // 2 * 16]), ks, vs)

@@ -100,6 +100,22 @@ def test_strided_cache_blocks(amx):
     assert torch.equal(big_k[:, :, 3:], kc)   # the other half untouched
 
 
+def test_one_tensor_for_both_caches_ends_with_v(amx):
+    """The same tensor as key and value cache (a break-it pass's case): V's rows are what stays, as
+    write_kv_cache writes V after K, whatever the threads' order."""
+    layer, x, cos, sin, slots, kc, _ = case(16, seed=6)
+    want = kc.clone()
+    want_q = apart(layer, x, cos, sin, slots, want, want)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        for _ in range(5):
+            cache = kc.clone()
+            assert torch.equal(fused(layer, x, cos, sin, slots, cache, cache), want_q) and torch.equal(cache, want)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bad_arguments_are_refused_with_the_reason(amx):
     layer, x, cos, sin, slots, kc, vc = case(4, seed=5)
     before_k, before_v = kc.clone(), vc.clone()
@@ -112,3 +128,11 @@ def test_bad_arguments_are_refused_with_the_reason(amx):
         fused(layer, x, cos, sin, slots, kc, vc, hq=8)
     with pytest.raises(RuntimeError, match=r"x must be bf16"):
         fused(layer, x.float(), cos, sin, slots, kc, vc)
+    # caches whose D is not q's (n still (Hq + 2 Hkv) D for q's D): refused, not written as 64-wide
+    # heads into 32-wide rows (found by a break-it pass)
+    with pytest.raises(RuntimeError, match=r"one block_size, Hkv and D"):
+        fused(layer, x, cos, sin, slots, kc[..., :32].contiguous(), vc[..., :32].contiguous())
+    # a value cache of fewer blocks: slots bounded by each cache's capacity (write_kv_cache's check)
+    with pytest.raises(RuntimeError, match=r"slot 500 outside the cache's 320 slots"):
+        fused(layer, x, cos, sin, torch.tensor([1, 500, 2, 3]), kc, vc[:20].clone())
+    assert torch.equal(kc, before_k) and torch.equal(vc, before_v)

@@ -719,10 +719,12 @@ void qkv_rope_w8a8_gemm_amx(const at::Tensor& x_in, const at::Tensor& packed, co
                             at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   const at::Tensor x = pdserve_int8::checked_input(x_in, packed, wscale, n, group);
   const int64_t m = x.size(0);
-  TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && q.size(0) == m &&
+  TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4 && q.size(0) == m &&
+                  key_cache.size(3) == q.size(2) && value_cache.sizes().slice(1) == key_cache.sizes().slice(1) &&
                   n == (q.size(1) + 2 * key_cache.size(2)) * q.size(2),
-              "q must be [M, Hq, D] and the caches [num_blocks, block_size, Hkv, D] with (Hq + 2 Hkv) D = n = ", n,
-              " outputs; got q ", q.sizes(), ", key_cache ", key_cache.sizes());
+              "q must be [M, Hq, D] and the caches [num_blocks, block_size, Hkv, D] (one block_size, Hkv and D) with (Hq + "
+              "2 Hkv) D = n = ", n, " outputs; got q ", q.sizes(), ", key_cache ", key_cache.sizes(), ", value_cache ",
+              value_cache.sizes());
 #if defined(PDSERVE_AMX_INT8)
   TORCH_CHECK(amx_permitted(), "the OS refused this process AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)");
   const auto bf16 = at::kBFloat16;
@@ -731,6 +733,7 @@ void qkv_rope_w8a8_gemm_amx(const at::Tensor& x_in, const at::Tensor& packed, co
   if (m > 0 && m <= kMaxRows && group == x.size(1) && q.size(2) == kPairChannels && q.is_contiguous() &&
       q.scalar_type() == bf16 && key_cache.scalar_type() == bf16 && value_cache.scalar_type() == bf16 &&
       value_cache.sizes() == key_cache.sizes() && rows_contiguous && packed.size(0) * 16 == n &&
+      !key_cache.storage().is_alias_of(value_cache.storage()) &&   // (one tensor for both: V written last, as apart)
       cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
       sin.is_contiguous() && cos.numel() == m * kPairChannels / 2 && sin.numel() == cos.numel() &&
       slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == m) {
