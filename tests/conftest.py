@@ -97,3 +97,18 @@ def redis_client(redis_server):
     client.flushdb()
     yield client
     client.close()
+
+
+@pytest.fixture(scope="session")
+def amx_int8() -> None:
+    """Skips, with the reason, on a CPU without AMX-INT8; fails where the CPU has it but the AMX
+    INT8 kernel (kernels/csrc/int8_gemm_amx.cpp) did not build."""
+    import torch
+
+    from engine.platform import cpu_flags
+    from kernels.linear import MX_GROUP, Int8Linear
+
+    layer = Int8Linear(torch.zeros(16, 64, dtype=torch.bfloat16), None, group=MX_GROUP)
+    if "w8a8_amx" not in layer._candidates():
+        assert not {"amx_int8", "amx_tile", "avx512_bf16"} <= cpu_flags(), "AMX-INT8 CPU but the AMX kernel did not build"
+        pytest.skip("no AMX-INT8 on this CPU")

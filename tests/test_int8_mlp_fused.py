@@ -11,16 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.platform import cpu_flags
 from kernels.linear import MX_GROUP, Int8Linear
-
-
-@pytest.fixture(scope="module")
-def amx() -> None:
-    layer = Int8Linear(torch.zeros(16, 64, dtype=torch.bfloat16), None, group=MX_GROUP)
-    if "w8a8_amx" not in layer._candidates():
-        assert not {"amx_int8", "amx_tile", "avx512_bf16"} <= cpu_flags(), "AMX-INT8 CPU but the AMX kernel did not build"
-        pytest.skip("no AMX-INT8 on this CPU")
 
 
 def mlp(h: int, inter: int, n: int, seed: int, gu_group: int | None = None, down_group: int = MX_GROUP):
@@ -52,7 +43,7 @@ def fused(gu: Int8Linear, down: Int8Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("m", [1, 4, 5, 7, 16, 17, 32])
-def test_the_mlp_op_equals_gate_up_then_the_fused_down(amx, m):
+def test_the_mlp_op_equals_gate_up_then_the_fused_down(amx_int8, m):
     """SmolLM2-135M's shapes (576 -> 2 x 1536 -> 576): one region up to 16 rows, the two ops beyond."""
     gu, down = mlp(576, 1536, 576, seed=m)
     x = inputs(m, 576, seed=m)
@@ -65,7 +56,7 @@ def test_the_mlp_op_equals_gate_up_then_the_fused_down(amx, m):
 
 @pytest.mark.parametrize("h,inter,n", [(64, 64, 16), (96, 192, 40), (128, 320, 200), (64, 96, 32)],
                          ids=["one-pair", "ragged-down", "odd-pairs", "inter-not-64"])
-def test_other_shapes(amx, h, inter, n):
+def test_other_shapes(amx_int8, h, inter, n):
     """One pair of units; n not a multiple of 16 (down_proj's last tile partial); an odd number of
     pairs for two threads (one takes more); I not a multiple of 64 (the two ops)."""
     gu, down = mlp(h, inter, n, seed=h + inter)
@@ -74,14 +65,14 @@ def test_other_shapes(amx, h, inter, n):
         assert torch.equal(fused(gu, down, x), apart(gu, down, x))
 
 
-def test_other_activation_groups_take_the_two_ops(amx):
+def test_other_activation_groups_take_the_two_ops(amx_int8):
     gu, down = mlp(128, 256, 64, seed=5, gu_group=32, down_group=32)
     x = inputs(16, 128, seed=5)
     assert torch.equal(fused(gu, down, x), apart(gu, down, x))
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_any_thread_count(amx, threads):
+def test_any_thread_count(amx_int8, threads):
     gu, down = mlp(576, 1536, 576, seed=11)
     x = inputs(16, 576, seed=11)
     want = apart(gu, down, x)
@@ -93,7 +84,7 @@ def test_any_thread_count(amx, threads):
         torch.set_num_threads(before)
 
 
-def test_a_poisoned_row_stays_in_its_row(amx):
+def test_a_poisoned_row_stays_in_its_row(amx_int8):
     gu, down = mlp(128, 256, 64, seed=3)
     x = inputs(16, 128, seed=3)
     x[3, 10] = float("inf")   # gate/up of row 3 inf or NaN, so its SiLU product is poisoned
@@ -103,7 +94,7 @@ def test_a_poisoned_row_stays_in_its_row(amx):
     assert torch.equal(y[rest], want[rest]) and y[rest].isfinite().all()
 
 
-def test_bad_arguments_are_refused_with_the_reason(amx):
+def test_bad_arguments_are_refused_with_the_reason(amx_int8):
     gu, down = mlp(64, 128, 32, seed=1)
     other_gu, _ = mlp(64, 96, 32, seed=1)
     with pytest.raises(RuntimeError, match=r"x must be bf16 \[M, K\]"):
@@ -121,7 +112,7 @@ def ops_called(f) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("m,one_region", [(1, True), (16, True), (17, False)])
-def test_one_region_where_the_shapes_allow(amx, m, one_region):
+def test_one_region_where_the_shapes_allow(amx_int8, m, one_region):
     """Up to 16 rows the op runs as one region (no nested linear); beyond, as the two ops (both
     seen by the profiler)."""
     gu, down = mlp(128, 256, 64, seed=m)

@@ -12,16 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.platform import cpu_flags
 from kernels.linear import Int8Linear
-
-
-@pytest.fixture(scope="module")
-def amx() -> None:
-    layer = Int8Linear(torch.zeros(16, 64, dtype=torch.bfloat16), None, group=64)
-    if "w8a8_amx" not in layer._candidates():
-        assert not {"amx_int8", "amx_tile", "avx512_bf16"} <= cpu_flags(), "AMX-INT8 CPU but the AMX kernel did not build"
-        pytest.skip("no AMX-INT8 on this CPU")
 
 
 def case(m: int, h: int = 576, hq: int = 9, hkv: int = 3, d: int = 64, group: int | None = None, seed: int = 0,
@@ -62,7 +53,7 @@ def ops_called(f) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("m,one_region", [(1, True), (5, True), (16, True), (17, False), (40, False)])
-def test_q_and_the_caches_equal_the_three_ops(amx, m, one_region):
+def test_q_and_the_caches_equal_the_three_ops(amx_int8, m, one_region):
     layer, x, cos, sin, slots, kc, vc = case(m, seed=m)
     want_k, want_v = kc.clone(), vc.clone()
     want_q = apart(layer, x, cos, sin, slots, want_k, want_v)
@@ -76,7 +67,7 @@ def test_q_and_the_caches_equal_the_three_ops(amx, m, one_region):
 @pytest.mark.parametrize("kwargs", [dict(hq=4, hkv=2, h=128), dict(hq=3, hkv=1, h=96), dict(d=32, hq=6, hkv=2, h=128),
                                     dict(group=32), dict(cache_dtype=torch.float32)],
                          ids=["gqa-2", "h-96", "d-32", "groups-of-32", "fp32-cache"])
-def test_other_shapes_and_the_ways_around(amx, kwargs):
+def test_other_shapes_and_the_ways_around(amx_int8, kwargs):
     """Other head counts and widths (H 96: k steps of 32 bytes) in one region; D = 32, groups of
     32 and an fp32 cache through the three ops."""
     hq = kwargs.get("hq", 9)
@@ -87,7 +78,7 @@ def test_other_shapes_and_the_ways_around(amx, kwargs):
     assert torch.equal(q, want_q) and torch.equal(kc, want_k) and torch.equal(vc, want_v)
 
 
-def test_strided_cache_blocks(amx):
+def test_strided_cache_blocks(amx_int8):
     """Caches whose blocks are views of a larger allocation (block stride beyond block_size rows)."""
     layer, x, cos, sin, slots, kc, vc = case(16, seed=4)
     big_k, big_v = torch.cat([kc, kc], dim=2), torch.cat([vc, vc], dim=2)   # [blocks, bs, 2 Hkv, D]
@@ -100,7 +91,7 @@ def test_strided_cache_blocks(amx):
     assert torch.equal(big_k[:, :, 3:], kc)   # the other half untouched
 
 
-def test_one_tensor_for_both_caches_ends_with_v(amx):
+def test_one_tensor_for_both_caches_ends_with_v(amx_int8):
     """The same tensor as key and value cache (a break-it pass's case): V's rows are what stays, as
     write_kv_cache writes V after K, whatever the threads' order."""
     layer, x, cos, sin, slots, kc, _ = case(16, seed=6)
@@ -116,7 +107,7 @@ def test_one_tensor_for_both_caches_ends_with_v(amx):
         torch.set_num_threads(before)
 
 
-def test_bad_arguments_are_refused_with_the_reason(amx):
+def test_bad_arguments_are_refused_with_the_reason(amx_int8):
     layer, x, cos, sin, slots, kc, vc = case(4, seed=5)
     before_k, before_v = kc.clone(), vc.clone()
     bad = slots.clone()

@@ -11,16 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.platform import cpu_flags
 from kernels.linear import MX_GROUP, Int8Linear
-
-
-@pytest.fixture(scope="module")
-def amx() -> None:
-    layer = Int8Linear(torch.zeros(16, 64, dtype=torch.bfloat16), None, group=MX_GROUP)
-    if "w8a8_amx" not in layer._candidates():
-        assert not {"amx_int8", "amx_tile", "avx512_bf16"} <= cpu_flags(), "AMX-INT8 CPU but the AMX kernel did not build"
-        pytest.skip("no AMX-INT8 on this CPU")
 
 
 def gate_up(m: int, k: int, seed: int) -> torch.Tensor:
@@ -46,7 +37,7 @@ def fused(layer: Int8Linear, gu: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("group", [MX_GROUP, 32], ids=["mx", "g32"])
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 16, 17, 31, 32, 100])
-def test_the_fused_op_equals_silu_mul_then_the_linear(amx, group, m):
+def test_the_fused_op_equals_silu_mul_then_the_linear(amx_int8, group, m):
     gen = torch.Generator().manual_seed(m)
     layer = Int8Linear((torch.randn(200, 1536, generator=gen) * 0.05).bfloat16(), None, group=group)
     gu = gate_up(m, 1536, seed=m)
@@ -59,7 +50,7 @@ def test_the_fused_op_equals_silu_mul_then_the_linear(amx, group, m):
     assert (columns.stride(1) != 1) == (m > 1) and torch.equal(fused(layer, columns), want)
 
 
-def test_a_poisoned_row_stays_in_its_row(amx):
+def test_a_poisoned_row_stays_in_its_row(amx_int8):
     layer = Int8Linear((torch.randn(64, 96) * 0.05).bfloat16(), None, group=MX_GROUP)
     gu = gate_up(16, 96, seed=2)
     gu[3, 10] = float("nan")
@@ -67,7 +58,7 @@ def test_a_poisoned_row_stays_in_its_row(amx):
     assert y[3].isnan().all() and torch.equal(torch.cat([y[:3], y[4:]]), torch.cat([apart(layer, gu)[:3], apart(layer, gu)[4:]]))
 
 
-def test_bad_arguments_are_refused_with_the_reason(amx):
+def test_bad_arguments_are_refused_with_the_reason(amx_int8):
     layer = Int8Linear((torch.randn(64, 96) * 0.05).bfloat16(), None, group=MX_GROUP)
     with pytest.raises(RuntimeError, match=r"gate_up must be bf16 \[M, 2K\]"):
         fused(layer, gate_up(4, 96, 0).float())
