@@ -91,6 +91,19 @@ def test_strided_cache_blocks(amx_int8):
     assert torch.equal(big_k[:, :, 3:], kc)   # the other half untouched
 
 
+def test_caches_side_by_side_in_one_allocation_run_in_one_region(amx_int8):
+    """K and V as the model allocates them, views of one tensor [2, blocks, bs, Hkv, D] side by side
+    (not overlapping): one region, the same bits."""
+    layer, x, cos, sin, slots, kc, vc = case(16, seed=7)
+    both = torch.stack([kc, vc])
+    want = both.clone()
+    want_q = apart(layer, x, cos, sin, slots, want[0], want[1])
+    scratch = both.clone()
+    calls = ops_called(lambda: fused(layer, x, cos, sin, slots, scratch[0], scratch[1]))
+    assert calls.get("pdserve_ops::rope_split", 0) == 0
+    assert torch.equal(fused(layer, x, cos, sin, slots, both[0], both[1]), want_q) and torch.equal(both, want)
+
+
 def test_one_tensor_for_both_caches_ends_with_v(amx_int8):
     """The same tensor as key and value cache (a break-it pass's case): V's rows are what stays, as
     write_kv_cache writes V after K, whatever the threads' order."""

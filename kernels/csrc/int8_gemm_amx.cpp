@@ -74,6 +74,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "amx_tiles.h"
@@ -707,6 +708,20 @@ void qkv_region(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
 }
 #endif
 
+// Whether two tensors' element ranges overlap in memory (the model's K and V caches are views of
+// one allocation, side by side: they do not).
+bool overlap(const at::Tensor& a, const at::Tensor& b) {
+  auto range = [](const at::Tensor& t) {
+    int64_t last = 0;
+    for (int64_t i = 0; i < t.dim(); ++i) last += (t.size(i) - 1) * t.stride(i);
+    const auto* p = static_cast<const char*>(t.data_ptr());
+    return std::pair{p, p + (last + 1) * t.element_size()};
+  };
+  const auto [a0, a1] = range(a);
+  const auto [b0, b1] = range(b);
+  return a.numel() > 0 && b.numel() > 0 && a0 < b1 && b0 < a1;
+}
+
 // x [M, H] bf16 by the packed qkv weight (n = (Hq + 2 Hkv) D outputs, activation group `group`),
 // then rope_split's q into q [M, Hq, D] (contiguous, bf16) and its k and v into key_cache and
 // value_cache ([num_blocks, block_size, Hkv, D]) at slot_mapping [M] (int64), as write_kv_cache
@@ -733,7 +748,7 @@ void qkv_rope_w8a8_gemm_amx(const at::Tensor& x_in, const at::Tensor& packed, co
   if (m > 0 && m <= kMaxRows && group == x.size(1) && q.size(2) == kPairChannels && q.is_contiguous() &&
       q.scalar_type() == bf16 && key_cache.scalar_type() == bf16 && value_cache.scalar_type() == bf16 &&
       value_cache.sizes() == key_cache.sizes() && rows_contiguous && packed.size(0) * 16 == n &&
-      !key_cache.storage().is_alias_of(value_cache.storage()) &&   // (one tensor for both: V written last, as apart)
+      !overlap(key_cache, value_cache) &&   // (one tensor for both: V written last, as apart)
       cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
       sin.is_contiguous() && cos.numel() == m * kPairChannels / 2 && sin.numel() == cos.numel() &&
       slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == m) {
