@@ -80,6 +80,7 @@
 #include "amx_tiles.h"
 #include "gemm_output.h"
 #include "int8_activations.h"
+#include "kv_slots.h"
 #include "rope.h"
 #include "silu_mul.h"
 
@@ -95,6 +96,17 @@ namespace {
 constexpr int kMaxRows = 16;   // an A / C tile's rows
 constexpr int kNT = 4;         // column tiles per unit: C tiles 0-3
 constexpr int64_t kPrefetchUnits = 2;   // as small_gemm_amx.cpp (measured there)
+
+// The unit to stream into L2 while unit u of a thread's range [u, u1) computes: the one
+// kPrefetchUnits ahead, or the range's last, or none (-1) at the last.
+inline int64_t unit_ahead(int64_t u, int64_t u1) {
+  return u + kPrefetchUnits < u1 ? u + kPrefetchUnits : u + 1 < u1 ? u1 - 1 : -1;
+}
+
+// Unit `ahead` (unit_ahead's) of the units `unit_bytes` apart from base, or nullptr for -1.
+inline const uint8_t* unit_at(const uint8_t* base, int64_t ahead, int64_t unit_bytes) {
+  return ahead < 0 ? nullptr : base + ahead * unit_bytes;
+}
 
 using pdserve_amx::amx_permitted;
 using pdserve_amx::TileConfig;
@@ -402,9 +414,7 @@ at::Tensor gemm(const at::Tensor& x, int64_t k, bool silu, const at::Tensor& pac
       const int count = static_cast<int>(std::min<int64_t>(kNT, tiles - t0));
       const uint8_t* w = wp + t0 * tile_stride;
       // the unit kPrefetchUnits ahead (or the range's last) streams into L2 while this one computes
-      const uint8_t* next = u + kPrefetchUnits < u1 ? w + kPrefetchUnits * kNT * tile_stride
-                            : u + 1 < u1          ? wp + (u1 - 1) * kNT * tile_stride
-                                                  : nullptr;
+      const uint8_t* next = unit_at(wp, unit_ahead(u, u1), kNT * tile_stride);
       for (int64_t r0 = 0; r0 < m; r0 += per_pass) {
         const int rows = static_cast<int>(std::min<int64_t>(per_pass, m - r0));
         kUnitPass[count](a, r0, rows, group, kstep, w, tile_stride, r0 == 0 ? next : nullptr, sp, isum, facc, op,
@@ -483,7 +493,8 @@ at::Tensor silu_mul_w8a8_gemm_amx(const at::Tensor& gate_up_in, const at::Tensor
 // barriers (1.000); down_proj's tiles split 18 / 18 between the threads instead of its units
 // (the MLP alone 1% faster, the step 0.998, noise).
 #if defined(PDSERVE_AMX_INT8)
-constexpr int64_t kPairChannels = 16 * kNT;   // the channels of one gate/up unit pair
+// The columns of one unit: a run of gate (or up) channels in mlp_region, one head (D = 64) in qkv_region.
+constexpr int64_t kUnitColumns = 16 * kNT;
 
 // The scratch of the fused decode ops below: the calling thread's, kept between calls and not
 // zeroed (every row a tile reads, rows < M, is written first; zeroed vectors of 98 KB a call cost
@@ -494,6 +505,12 @@ T* scratch(int64_t elements) {
   thread_local std::vector<T> buf;
   if (static_cast<int64_t>(buf.size()) < elements) buf.resize(elements);
   return buf.data();
+}
+
+// Thread tid's share [first, end) of n items among `team`, as at::parallel_for splits a range.
+inline std::pair<int64_t, int64_t> thread_range(int64_t n, int tid, int team) {
+  const int64_t chunk = (n + team - 1) / team, first = std::min(n, tid * chunk);
+  return {first, std::min(n, first + chunk)};
 }
 
 // x [M <= 16, K] bf16 (rows contiguous) at one scale per token into xq [M][K], sx, corr [16]:
@@ -522,7 +539,7 @@ at::Tensor mlp_region(const at::Tensor& x, const at::Tensor& gu_packed, const at
   // what the threads share: silu(gate) * up [M, I] bf16, down's digits [M, 2I] (hi | lo), and per
   // thread and row the amax bits of its channels, then its digit sums (hi, lo)
   const int64_t kstep_gu = h % 64 == 0 ? 64 : 32, kstep_down = 64;   // (down: I a multiple of 64)
-  const int64_t pairs = inter / kPairChannels, down_units = (down_packed.size(0) + kNT - 1) / kNT;
+  const int64_t pairs = inter / kUnitColumns, down_units = (down_packed.size(0) + kNT - 1) / kNT;
   const int threads = at::in_parallel_region() ? 1 : static_cast<int>(std::min<int64_t>(at::get_num_threads(), pairs));
   std::vector<uint32_t> part_max(threads * kMaxRows);
   std::vector<int32_t> part_sums(threads * kMaxRows * 2, 0);
@@ -536,34 +553,34 @@ at::Tensor mlp_region(const at::Tensor& x, const at::Tensor& gu_packed, const at
     const int tid = omp_get_thread_num(), team = omp_get_num_threads();
     alignas(64) int32_t isum[kMaxRows * 64];
     alignas(64) float facc[kMaxRows * 64];
-    alignas(64) at::BFloat16 gate[kMaxRows * kPairChannels], up[kMaxRows * kPairChannels];
+    alignas(64) at::BFloat16 gate[kMaxRows * kUnitColumns], up[kMaxRows * kUnitColumns];
     // 1. gate and up of this thread's channels [c0, c1), silu(gate) * up into act
-    const int64_t chunk = (pairs + team - 1) / team, p0 = std::min(pairs, tid * chunk), p1 = std::min(pairs, p0 + chunk);
+    const auto [p0, p1] = thread_range(pairs, tid, team);
     configure_tiles(static_cast<int>(m), static_cast<int>(kstep_gu));
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t ahead = p + kPrefetchUnits < p1 ? p + kPrefetchUnits : p + 1 < p1 ? p1 - 1 : -1;
       for (int half = 0; half < 2; ++half) {   // gate tiles 4p.., then up tiles I/16 + 4p..
         const int64_t t0 = half * up_tiles + kNT * p;
-        const uint8_t* next = ahead < 0 ? nullptr : gu + (half * up_tiles + kNT * ahead) * gu_stride;
+        const uint8_t* next = unit_at(gu + half * up_tiles * gu_stride, unit_ahead(p, p1), kNT * gu_stride);
         unit_pass<kNT>(ax, 0, static_cast<int>(m), h, kstep_gu, gu + t0 * gu_stride, gu_stride, next, gu_s + 16 * t0,
-                       isum, facc, {half ? up : gate, kPairChannels, false}, 0, kPairChannels);
+                       isum, facc, {half ? up : gate, kUnitColumns, false}, 0, kUnitColumns);
       }
       for (int64_t r = 0; r < m; ++r)
-        pdserve_silu::silu_mul_row(gate + r * kPairChannels, up + r * kPairChannels, act + r * inter + p * kPairChannels,
-                                   kPairChannels);
+        pdserve_silu::silu_mul_row(gate + r * kUnitColumns, up + r * kUnitColumns, act + r * inter + p * kUnitColumns,
+                                   kUnitColumns);
     }
     // 2. the MX block maxima of those channels, their maximum a row for the others; then the digits
-    const int64_t c0 = p0 * kPairChannels, nblocks = (p1 - p0) * kPairChannels / pdserve_int8::kChunk;
+    const int64_t c0 = p0 * kUnitColumns, nblocks = (p1 - p0) * kUnitColumns / pdserve_int8::kChunk;
     const int64_t sets = std::max<int64_t>(1, (nblocks + 15) / 16);   // bmax vectors a row
     std::vector<__m512i> bmax(m * sets);
     for (int64_t r = 0; r < m; ++r)
       part_max[tid * kMaxRows + r] = nblocks == 0 ? 0 : pdserve_int8::mx_block_maxes(
           reinterpret_cast<const uint16_t*>(act + r * inter + c0), nblocks, bmax.data() + r * sets);
 #pragma omp barrier
+    float row_sx[kMaxRows];   // each row's sx (quantize_row_mx's), from every thread's block maxima
     for (int64_t r = 0; r < m; ++r) {
       uint32_t rmax = 0;
       for (int t = 0; t < team; ++t) rmax = std::max(rmax, part_max[t * kMaxRows + r]);
-      const float sx = pdserve_int8::mx_scale(rmax);
+      const float sx = row_sx[r] = pdserve_int8::mx_scale(rmax);
       int8_t* hi = digits + r * 2 * inter + c0;
       if (std::isnan(sx) || nblocks == 0) {   // (a poisoned row: digits 0, quantize_row_mx's)
         std::memset(hi, 0, nblocks * pdserve_int8::kChunk);
@@ -582,30 +599,23 @@ at::Tensor mlp_region(const at::Tensor& x, const at::Tensor& gu_packed, const at
     int32_t corr[kMaxRows * 2];
     const Activations ad{digits, sx, corr, 2, 2 * inter, inter};
     for (int64_t r = 0; r < m; ++r) {
-      uint32_t rmax = 0;
-      int32_t hi = 0, lo = 0;
+      int32_t hi = 0, lo = 0;   // (a poisoned row's sums stay 0: no thread added to them)
       for (int t = 0; t < team; ++t) {
-        rmax = std::max(rmax, part_max[t * kMaxRows + r]);
         hi += part_sums[(t * kMaxRows + r) * 2];
         lo += part_sums[(t * kMaxRows + r) * 2 + 1];
       }
-      const float s = pdserve_int8::mx_scale(rmax);
-      const bool nan = std::isnan(s);
-      sx[ad.at(r, 0)] = s;
-      sx[ad.at(r, 1)] = s * (1.f / 128.f);
-      corr[ad.at(r, 0)] = nan ? 0 : -128 * hi;
-      corr[ad.at(r, 1)] = nan ? 0 : -128 * lo;
+      sx[ad.at(r, 0)] = row_sx[r];
+      sx[ad.at(r, 1)] = row_sx[r] * (1.f / 128.f);
+      corr[ad.at(r, 0)] = -128 * hi;
+      corr[ad.at(r, 1)] = -128 * lo;
     }
     if (kstep_down != kstep_gu) configure_tiles(static_cast<int>(m), static_cast<int>(kstep_down));
-    const int64_t uchunk = (down_units + team - 1) / team, u0 = std::min(down_units, tid * uchunk),
-                  u1 = std::min(down_units, u0 + uchunk);
+    const auto [u0, u1] = thread_range(down_units, tid, team);
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t t0 = u * kNT;
       const int count = static_cast<int>(std::min<int64_t>(kNT, down_packed.size(0) - t0));
       const uint8_t* w = down + t0 * down_stride;
-      const uint8_t* next = u + kPrefetchUnits < u1 ? w + kPrefetchUnits * kNT * down_stride
-                            : u + 1 < u1          ? down + (u1 - 1) * kNT * down_stride
-                                                  : nullptr;
+      const uint8_t* next = unit_at(down, unit_ahead(u, u1), kNT * down_stride);
       kUnitPass[count](ad, 0, static_cast<int>(m), inter, kstep_down, w, down_stride, next, down_s, isum, facc, op,
                        16 * t0, n);
     }
@@ -633,7 +643,7 @@ at::Tensor mlp_w8a8_gemm_amx(const at::Tensor& x_in, const at::Tensor& gu_packed
 #if defined(PDSERVE_AMX_INT8)
   TORCH_CHECK(amx_permitted(), "the OS refused this process AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)");
   if (x.size(0) > 0 && x.size(0) <= kMaxRows && gu_group == x.size(1) && down_group == pdserve_int8::kMxGroup &&
-      inter % kPairChannels == 0 && gu_packed.size(0) * 16 == gu_n)
+      inter % kUnitColumns == 0 && gu_packed.size(0) * 16 == gu_n)
     return mlp_region(x, gu_packed, gu_wscale, down_packed, down_wscale, n);
 #endif
   // (through the dispatcher, so a profile shows which way a call went)
@@ -666,7 +676,7 @@ at::Tensor mlp_w8a8_gemm_amx(const at::Tensor& x_in, const at::Tensor& gu_packed
 #if defined(PDSERVE_AMX_INT8)
 void qkv_region(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& wscale, const float* cos,
                 const float* sin, at::Tensor& q, at::Tensor& key_cache, at::Tensor& value_cache, const int64_t* slots) {
-  const int64_t m = x.size(0), h = x.size(1), hq = q.size(1), hkv = key_cache.size(2), d = kPairChannels, half = d / 2;
+  const int64_t m = x.size(0), h = x.size(1), hq = q.size(1), hkv = key_cache.size(2), d = kUnitColumns, half = d / 2;
   int32_t xcorr[kMaxRows];
   float xsx[kMaxRows];
   const Activations ax = quantize_per_token(x, scratch<int8_t, 0>(kMaxRows * h), xsx, xcorr);
@@ -682,13 +692,11 @@ void qkv_region(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
   at::parallel_for(0, heads, grain, [&](int64_t u0, int64_t u1) {
     alignas(64) int32_t isum[kMaxRows * 64];
     alignas(64) float facc[kMaxRows * 64];
-    alignas(64) at::BFloat16 head[kMaxRows * kPairChannels];
+    alignas(64) at::BFloat16 head[kMaxRows * kUnitColumns];
     configure_tiles(static_cast<int>(m), static_cast<int>(kstep));
     for (int64_t u = u0; u < u1; ++u) {
       const uint8_t* w = wp + u * kNT * tile_stride;
-      const uint8_t* next = u + kPrefetchUnits < u1 ? w + kPrefetchUnits * kNT * tile_stride
-                            : u + 1 < u1          ? wp + (u1 - 1) * kNT * tile_stride
-                                                  : nullptr;
+      const uint8_t* next = unit_at(wp, unit_ahead(u, u1), kNT * tile_stride);
       unit_pass<kNT>(ax, 0, static_cast<int>(m), h, kstep, w, tile_stride, next, sp + u * d, isum, facc,
                      {head, d, false}, 0, d);
       for (int64_t t = 0; t < m; ++t) {
@@ -745,17 +753,15 @@ void qkv_rope_w8a8_gemm_amx(const at::Tensor& x_in, const at::Tensor& packed, co
   const auto bf16 = at::kBFloat16;
   const bool rows_contiguous = key_cache.stride(3) == 1 && key_cache.stride(2) == key_cache.size(3) &&
                                value_cache.stride(3) == 1 && value_cache.stride(2) == value_cache.size(3);
-  if (m > 0 && m <= kMaxRows && group == x.size(1) && q.size(2) == kPairChannels && q.is_contiguous() &&
+  if (m > 0 && m <= kMaxRows && group == x.size(1) && q.size(2) == kUnitColumns && q.is_contiguous() &&
       q.scalar_type() == bf16 && key_cache.scalar_type() == bf16 && value_cache.scalar_type() == bf16 &&
       value_cache.sizes() == key_cache.sizes() && rows_contiguous && packed.size(0) * 16 == n &&
       !overlap(key_cache, value_cache) &&   // (one tensor for both: V written last, as apart)
       cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-      sin.is_contiguous() && cos.numel() == m * kPairChannels / 2 && sin.numel() == cos.numel() &&
+      sin.is_contiguous() && cos.numel() == m * kUnitColumns / 2 && sin.numel() == cos.numel() &&
       slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == m) {
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-    const int64_t capacity = key_cache.size(0) * key_cache.size(1);
-    for (int64_t t = 0; t < m; ++t)   // (write_kv_cache's check and message)
-      TORCH_CHECK(slots[t] >= 0 && slots[t] < capacity, "slot ", slots[t], " outside the cache's ", capacity, " slots");
+    pdserve_kv::check_slots(slots, m, key_cache, value_cache);   // (write_kv_cache's)
     qkv_region(x, packed, wscale, cos.data_ptr<float>(), sin.data_ptr<float>(), q, key_cache, value_cache, slots);
     return;
   }

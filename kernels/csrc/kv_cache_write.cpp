@@ -20,6 +20,7 @@
 #include <type_traits>
 
 #include "dtype_dispatch.h"
+#include "kv_slots.h"
 #include "simd_math.h"
 
 namespace {
@@ -108,12 +109,7 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
               "key and value, and the two caches, must have one dtype each");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping must be contiguous int64");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  // (each cache's own: a value cache of fewer blocks than the key cache was written past its end)
-  const int64_t capacity = std::min(key_cache.size(0) * key_cache.size(1), value_cache.size(0) * value_cache.size(1));
-  for (int64_t t = 0; t < slot_mapping.size(0); ++t)
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < capacity, "slot ", slots[t], " outside the cache's ", capacity, " slots",
-                key_cache.size(0) * key_cache.size(1) == value_cache.size(0) * value_cache.size(1)
-                    ? "" : " (the key and value caches hold different numbers of slots)");
+  pdserve_kv::check_slots(slots, slot_mapping.size(0), key_cache, value_cache);
   const bool fp8 = key_cache.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(fp8 == k_scale.has_value() && fp8 == v_scale.has_value(),
               fp8 ? "an FP8 E4M3 KV cache needs k_scale and v_scale" : "KV scales are for an FP8 E4M3 cache only");
